@@ -1,0 +1,1 @@
+"""agentrl: asynchronous agentic RL for language models."""

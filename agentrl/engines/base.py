@@ -1,0 +1,80 @@
+"""The inference-engine contract: token ids in, token ids (with logprobs) out.
+
+Engines never see text they must re-tokenise: the rollout loop hands them the
+exact prompt ids of the conversation and stores the ids they return verbatim.
+The contract is shaped so that vLLM's AsyncLLM fits without an adapter layer
+(generate, weight updates tagged with a version, pause/resume via health/close).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from agentrl.types import Completion
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Per-request sampling parameters. `top_k=0` and `top_p=1.0` disable them."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(slots=True)
+class EngineHealth:
+    """A cheap status report; `busy_fraction` is time spent generating / wall time."""
+
+    ok: bool
+    policy_version: int
+    in_flight: int = 0
+    busy_fraction: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Named tensors handed from a trainer to engines, in buckets.
+
+    Buckets bound the memory of one transfer and let a broadcast overlap with the
+    next bucket's preparation. A tensor is whatever the engine's framework uses
+    (torch.Tensor for hf/vLLM); the core never touches it.
+    """
+
+    def buckets(self) -> Iterator[Sequence[tuple[str, Any]]]: ...
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """Token-in/token-out generation with versioned weights.
+
+    Many concurrent `generate` calls are the normal case; an engine batches them.
+    `policy_version` is the version of the weights now serving new tokens.
+    """
+
+    policy_version: int
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion: ...
+
+    async def update_weights(self, weights: WeightSource, version: int) -> None: ...
+
+    async def health(self) -> EngineHealth: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,81 @@
+"""The environment contract: Gymnasium semantics, async, text/chat observations.
+
+An episode is `reset(task)` -> initial messages, then `step(assistant message)`
+-> new messages plus reward, `terminated` (the task reached an end state) and
+`truncated` (stopped by a limit, not by the task) exactly as in Gymnasium.
+Each env owns a pydantic `Config`; the registry validates user params into it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from agentrl.types import JSON, Message
+
+if TYPE_CHECKING:
+    from agentrl.tools import Tool
+
+Task = dict[str, JSON]
+"""A task is a JSON-able dict; `task["id"]` identifies it (stable across runs)."""
+
+
+class EnvConfig(BaseModel):
+    """Base of every env's own config: unknown keys are errors, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one `Env.step` returns (Gymnasium's 5-tuple, with messages as obs)."""
+
+    messages: list[Message]
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, JSON] = field(default_factory=dict)
+
+
+class Env(ABC):
+    """A multi-turn environment the policy talks to.
+
+    Subclasses set `Config` to their own `EnvConfig` subclass, implement
+    `tasks`, `reset` and `step`, and may override `parse_action` (how model text
+    becomes a message) and `close`.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Config: ClassVar[type[EnvConfig]] = EnvConfig
+    tools: Sequence[Tool] = ()
+
+    def __init__(self, config: EnvConfig | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    @abstractmethod
+    def tasks(self, split: str = "train") -> Iterable[Task]:
+        """The tasks of a split ("train", "test", ...), in a deterministic order."""
+
+    @abstractmethod
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
+        """Start an episode on `task`; return the opening messages and info."""
+
+    @abstractmethod
+    async def step(self, action: Message) -> StepResult:
+        """Apply the model's message; return what the env says back."""
+
+    def parse_action(self, text: str) -> Message:
+        """Turn the model's decoded reply into an assistant message."""
+        return Message(role="assistant", content=text)
+
+    def demonstrations(self) -> list[list[Message]]:
+        """Optional worked conversations (few-shot prompts, SFT warm start)."""
+        return []
+
+    async def close(self) -> None:
+        """Release resources (sandboxes, files). Safe to call twice."""
