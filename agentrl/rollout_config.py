@@ -1,0 +1,82 @@
+"""Configuration of the rollout side: grouping, concurrency, staleness, budgets, failures.
+
+Kept apart from `rollout.py` so the run config can be validated (and the CLI can
+explain it) without importing any rollout machinery.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentrl.types import ErrorClass
+
+
+class FailurePolicy(str, enum.Enum):
+    """What to do with an episode that ended in a classified error."""
+
+    DROP_GROUP = "drop_group"  # discard the whole GRPO group it belongs to
+    ZERO_REWARD = "zero_reward"  # keep it, reward 0 (the model learns to avoid it)
+    RETRY = "retry"  # re-run the episode, up to `max_retries` times, then drop the group
+
+
+def _default_error_policy() -> dict[ErrorClass, FailurePolicy]:
+    return {
+        ErrorClass.FORMAT: FailurePolicy.ZERO_REWARD,
+        ErrorClass.TOOL: FailurePolicy.ZERO_REWARD,
+        ErrorClass.TIMEOUT: FailurePolicy.ZERO_REWARD,
+        ErrorClass.ENV: FailurePolicy.RETRY,
+        ErrorClass.SANDBOX: FailurePolicy.RETRY,
+        ErrorClass.ENGINE: FailurePolicy.RETRY,
+        ErrorClass.REWARD: FailurePolicy.RETRY,
+    }
+
+
+class SamplingConfig(BaseModel):
+    """Sampling parameters shared by every generate call of a run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    stop_strings: list[str] = Field(default_factory=list)
+
+
+class RolloutConfig(BaseModel):
+    """How episodes are produced and handed to the trainer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_size: int = Field(8, ge=1, description="samples per task (G in GRPO)")
+    groups_per_step: int = Field(4, ge=1, description="groups in one optimizer step")
+    max_in_flight: int = Field(32, ge=1, description="episodes running concurrently")
+    max_staleness: int = Field(
+        1, ge=0, description="max policy versions a sample may lag the trainer; 0 = synchronous"
+    )
+    queue_groups: int = Field(8, ge=1, description="finished groups buffered before back-pressure")
+    # budgets
+    max_turns: int = Field(8, ge=1)
+    max_total_tokens: int = Field(4096, ge=16)
+    max_new_tokens_per_turn: int = Field(512, ge=1)
+    max_tool_output_tokens: int = Field(512, ge=1)
+    tool_output_truncation: str = Field("middle", pattern="^(left|right|middle)$")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    # deadlines (seconds)
+    episode_timeout_s: float = Field(600.0, gt=0)
+    generate_timeout_s: float = Field(300.0, gt=0)
+    env_timeout_s: float = Field(60.0, gt=0)
+    reward_timeout_s: float = Field(60.0, gt=0)
+    # failures
+    on_error: dict[ErrorClass, FailurePolicy] = Field(default_factory=_default_error_policy)
+    max_retries: int = Field(2, ge=0)
+    # DAPO dynamic sampling: drop groups whose rewards are all equal
+    dynamic_sampling: bool = False
+
+    @model_validator(mode="after")
+    def _complete_error_policy(self) -> RolloutConfig:
+        defaults = _default_error_policy()
+        for kind, policy in defaults.items():
+            self.on_error.setdefault(kind, policy)
+        return self
