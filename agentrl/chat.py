@@ -1,0 +1,574 @@
+"""Token-exact conversations: what the policy sampled is what the trainer sees.
+
+A `Conversation` holds the token ids of a whole episode. Model turns are
+appended exactly as the engine sampled them (ids, logprobs, policy versions;
+never re-tokenised, loss mask 1). Everything else (the opening prompt, tool
+results, env messages and the generation prompt) is appended as a *chat-template
+delta* with loss mask 0: a fixed dummy conversation ``[user, assistant]`` is
+rendered with and without the new messages and only the text suffix is
+tokenised. The delta therefore never depends on how the template would
+re-render earlier turns (Qwen3-style think stripping, date headers, ...).
+
+Between a model turn and the next delta the template usually emits some
+turn-closing text (``<|im_end|>\\n`` for ChatML, ``<|eot_id|>`` for Llama-3).
+The model may have sampled part of it (its end-of-turn token) or none of it
+(stopped by a stop string or the length limit); the missing remainder is
+inserted with mask 0 (see `closing_remainder`).
+
+`retokenization_drift()` measures how far the episode's ids are from
+``encode(render(all messages))``; see docs/chat.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from agentrl.types import Completion, Message, Trajectory, Turn
+
+ToolSchemas = Sequence[Mapping[str, Any]]
+
+# A plain word that templates leave alone (no whitespace to trim, no markup).
+_MARKER = "AGENTRLTURNMARKER"
+
+
+@runtime_checkable
+class ChatTokenizer(Protocol):
+    """Renders chat messages to text and maps text to ids and back.
+
+    `encode` adds no BOS/special tokens of its own: whatever the template
+    renders (a BOS string included) is all there is. `eos_ids` are the ids that
+    end an assistant turn; engines use them as stop ids. A tokenizer may carry
+    a `boundary_cache` dict, where conversations cache template facts that do
+    not change between episodes.
+    """
+
+    eos_ids: tuple[int, ...]
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: ToolSchemas | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+# --------------------------------------------------------------------------- tools in the prompt
+
+HERMES_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+HERMES_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def hermes_tools_prompt(tools: ToolSchemas) -> str:
+    """The Hermes/Qwen tool description, used when a template has no `tools=` support."""
+    lines = "".join("\n" + json.dumps(dict(t), ensure_ascii=False) for t in tools)
+    return HERMES_TOOLS_HEADER + lines + HERMES_TOOLS_FOOTER
+
+
+def with_tools_system_prompt(messages: Sequence[Message], tools: ToolSchemas) -> list[Message]:
+    """The documented fallback: merge the Hermes tool description into the system message.
+
+    An existing first system message keeps its text, followed by a blank line
+    and the tool description; without one, a system message is prepended.
+    """
+    prompt = hermes_tools_prompt(tools)
+    out = list(messages)
+    if out and out[0].role == "system":
+        first = out[0]
+        text = f"{first.content}\n\n{prompt}" if first.content else prompt
+        out[0] = dataclasses.replace(first, content=text)
+    else:
+        out.insert(0, Message(role="system", content=prompt))
+    return out
+
+
+def hermes_content(message: Message) -> str:
+    """An assistant message's content with its tool calls written in Hermes format.
+
+    For templates that do not render `tool_calls` themselves: the text outside
+    the calls, a newline, then one ``<tool_call>\\n{json}\\n</tool_call>`` block
+    per call (newline-separated), as Hermes/Qwen models emit them.
+    """
+    if not message.tool_calls:
+        return message.content
+    calls = "\n".join(
+        "<tool_call>\n"
+        + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)
+        + "\n</tool_call>"
+        for c in message.tool_calls
+    )
+    return f"{message.content}\n{calls}" if message.content else calls
+
+
+def with_calls_in_content(messages: Sequence[Message]) -> list[Message]:
+    """Messages whose tool calls are moved into the content (`hermes_content`)."""
+    return [
+        dataclasses.replace(m, content=hermes_content(m), tool_calls=[]) if m.tool_calls else m
+        for m in messages
+    ]
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+class SimpleChatTokenizer:
+    """A dependency-free byte-level tokenizer with a ChatML template.
+
+    Ids 0-255 are bytes; three special tokens follow. Tool calls render in
+    Hermes format inside the assistant content and tools go into the system
+    message (`with_tools_system_prompt`). Deterministic and cheap: encode is
+    one `str.encode` when the text holds no special token. For scripted
+    engines, tests and benchmarks.
+    """
+
+    SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
+
+    def __init__(self) -> None:
+        self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIAL_TOKENS)}
+        self._special_text = {i: s for s, i in self.special_ids.items()}
+        self.im_start_id = self.special_ids["<|im_start|>"]
+        self.im_end_id = self.special_ids["<|im_end|>"]
+        self.eos_ids: tuple[int, ...] = (self.im_end_id, self.special_ids["<|endoftext|>"])
+        self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
+        self.boundary_cache: dict[str, tuple[str, list[int]]] = {}  # used by Conversation
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: ToolSchemas | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        if tools:
+            messages = with_tools_system_prompt(messages, tools)
+        parts = [f"<|im_start|>{m.role}\n{hermes_content(m)}<|im_end|>\n" for m in messages]
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+    def encode(self, text: str) -> list[int]:
+        if "<|" not in text:
+            return list(text.encode("utf-8"))
+        out: list[int] = []
+        for i, piece in enumerate(self._SPLIT.split(text)):
+            if i % 2:
+                out.append(self.special_ids[piece])
+            elif piece:
+                out.extend(piece.encode("utf-8"))
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            if buf:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf.clear()
+            out.append(self._special_text.get(i, ""))
+        if buf:
+            out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFChatTokenizer:
+    """A Hugging Face tokenizer and its chat template behind the `ChatTokenizer` protocol.
+
+    transformers is imported only by `from_pretrained`; `__init__` accepts any
+    tokenizer object with `apply_chat_template`, `encode` and `decode`.
+    Tools go through the template's `tools=` argument when the template uses
+    them (it mentions `tools`), else through `with_tools_system_prompt`; a
+    template that does not render `tool_calls` gets them written into the
+    assistant content in Hermes format (`with_calls_in_content`).
+    `template_kwargs` are passed to every render (e.g. ``enable_thinking``).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        eos_ids: Sequence[int] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        tools_in_template: bool | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("HFChatTokenizer: the tokenizer has no chat_template; set one first")
+        self.tools_in_template = (
+            ("tools" in str(template)) if tools_in_template is None else tools_in_template
+        )
+        self.calls_in_template = "tool_calls" in str(template)
+        self.boundary_cache: dict[str, tuple[str, list[int]]] = {}  # used by Conversation
+        self.eos_ids: tuple[int, ...] = tuple(eos_ids) if eos_ids is not None else self._find_eos_ids()
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> HFChatTokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(path), **kwargs)
+
+    def _find_eos_ids(self) -> tuple[int, ...]:
+        """The tokenizer's EOS plus the special token that closes an assistant turn."""
+        ids: list[int] = []
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.append(eos)
+        closing = closing_text(self)
+        special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        if closing:
+            first = self.encode(closing)[0]
+            if (first in special or first in added) and first not in ids:
+                ids.insert(0, first)
+        return tuple(ids)
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: ToolSchemas | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        template_tools: list[dict[str, Any]] | None = None
+        if tools:
+            if self.tools_in_template:
+                template_tools = [dict(t) for t in tools]
+            else:
+                messages = with_tools_system_prompt(messages, tools)
+        if not self.calls_in_template:
+            messages = with_calls_in_content(messages)
+        text = self.tokenizer.apply_chat_template(
+            [m.to_chat() for m in messages],
+            tools=template_tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
+        )
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(
+            self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
+
+
+# --------------------------------------------------------------------------- template boundary helpers
+
+_DUMMY_USER = Message(role="user", content="U")
+
+
+def _dummy_prefix() -> list[Message]:
+    return [_DUMMY_USER, Message(role="assistant", content=_MARKER)]
+
+
+def closing_text(tokenizer: ChatTokenizer, tools: ToolSchemas | None = None) -> str:
+    """The text the template emits after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+    text = tokenizer.render(_dummy_prefix(), tools=tools)
+    at = text.rfind(_MARKER)
+    if at < 0:
+        raise ValueError("the chat template drops assistant content; cannot find where a turn ends")
+    return text[at + len(_MARKER) :]
+
+
+def closing_remainder(sampled: Sequence[int], closing: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """The part of the turn-closing ids the model did not sample itself.
+
+    The longest suffix of `sampled` that is a prefix of `closing` counts as
+    already emitted (normally the end-of-turn token). If there is none but the
+    model ended on another end-of-turn id (e.g. ``<|eom_id|>`` where the
+    template writes ``<|eot_id|>``) that id stands in for the closing's first
+    token. Otherwise (stop string, length limit) the whole closing is missing.
+    """
+    for k in range(min(len(sampled), len(closing)), 0, -1):
+        if list(sampled[-k:]) == list(closing[:k]):
+            return list(closing[k:])
+    if sampled and closing and sampled[-1] in eos_ids and closing[0] in eos_ids:
+        return list(closing[1:])
+    return list(closing)
+
+
+def truncate_ids_text(
+    tokenizer: ChatTokenizer, text: str, max_tokens: int, side: Literal["left", "right", "middle"]
+) -> str:
+    """`text` cut to at most `max_tokens` tokens, with a marker saying how much went.
+
+    `side` is the side that is cut: "right" keeps the head, "left" keeps the
+    tail, "middle" keeps both ends. The marker counts toward the limit.
+    """
+    ids = tokenizer.encode(text)
+    if len(ids) <= max_tokens:
+        return text
+    keep = max_tokens
+    while True:
+        dropped = len(ids) - keep
+        marker = f"\n...[{dropped} tokens truncated]...\n"
+        body = max(0, keep - len(tokenizer.encode(marker)))
+        if side == "right":
+            out = tokenizer.decode(ids[:body]) + marker
+        elif side == "left":
+            out = marker + tokenizer.decode(ids[len(ids) - body :] if body else [])
+        else:
+            head = (body + 1) // 2
+            tail = body - head
+            out = (
+                tokenizer.decode(ids[:head])
+                + marker
+                + tokenizer.decode(ids[len(ids) - tail :] if tail else [])
+            )
+        if len(tokenizer.encode(out)) <= max_tokens or body == 0:
+            return out
+        keep -= max(1, (len(tokenizer.encode(out)) - max_tokens))
+
+
+def token_drift(actual: Sequence[int], reference: Sequence[int]) -> float:
+    """Fraction of positions that differ after aligning two id sequences.
+
+    ``1 - matched / max(len)``, where `matched` counts ids in the matching
+    blocks of a longest-common-subsequence style alignment (difflib). 0.0 iff
+    the sequences are equal; 1.0 when nothing lines up.
+    """
+    if list(actual) == list(reference):
+        return 0.0
+    longest = max(len(actual), len(reference))
+    matcher = difflib.SequenceMatcher(None, list(actual), list(reference), autojunk=False)
+    matched = sum(block.size for block in matcher.get_matching_blocks())
+    return 1.0 - matched / longest
+
+
+# --------------------------------------------------------------------------- conversation
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Per-episode limits. Hitting one truncates the episode; it never raises."""
+
+    max_turns: int = 8
+    max_total_tokens: int = 4096
+    max_new_tokens_per_turn: int = 512
+    max_tool_output_tokens: int = 512
+    tool_output_truncation: Literal["left", "right", "middle"] = "middle"
+
+    def __post_init__(self) -> None:
+        for key in ("max_turns", "max_total_tokens", "max_new_tokens_per_turn", "max_tool_output_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"Budgets.{key} must be >= 1, got {getattr(self, key)}")
+        if self.tool_output_truncation not in ("left", "right", "middle"):
+            raise ValueError(
+                f"Budgets.tool_output_truncation must be left|right|middle, got {self.tool_output_truncation!r}"
+            )
+
+    @classmethod
+    def from_rollout_config(cls, config: Any) -> Budgets:
+        """Budgets from a `RolloutConfig` (or anything with the same fields)."""
+        return cls(
+            max_turns=config.max_turns,
+            max_total_tokens=config.max_total_tokens,
+            max_new_tokens_per_turn=config.max_new_tokens_per_turn,
+            max_tool_output_tokens=config.max_tool_output_tokens,
+            tool_output_truncation=config.tool_output_truncation,
+        )
+
+
+class Conversation:
+    """The token ids of one episode, with loss mask, behaviour logprobs and versions.
+
+    Usage per turn: send `prompt_ids` (with `max_new_tokens()`) to the engine,
+    `add_completion(completion, parsed_message)`, then
+    `add_messages(env_messages)` (False when the total budget is spent).
+    The conversation alternates strictly: a completion must follow a prompt
+    that ends with the generation prompt, and messages must follow a completion.
+    """
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        messages: list[Message],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        budgets: Budgets = Budgets(),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.budgets = budgets
+        self.messages: list[Message] = list(messages)
+        ids = tokenizer.encode(tokenizer.render(self.messages, tools=self.tools, add_generation_prompt=True))
+        self.token_ids: list[int] = ids
+        self.loss_mask: list[int] = [0] * len(ids)
+        self.logprobs: list[float] = [0.0] * len(ids)
+        self.versions: list[int] = [-1] * len(ids)
+        self.turns: list[Turn] = []
+        self._awaiting_generation = True
+        self._pending_close: list[int] = []  # closing ids owed after the last model turn
+        self._boundary: tuple[str, list[int]] | None = None  # (dummy prefix text, closing ids)
+
+    # -- reading
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """All ids so far; ends with the generation prompt when a turn is due."""
+        return self.token_ids
+
+    @property
+    def awaiting_generation(self) -> bool:
+        return self._awaiting_generation
+
+    def exhausted(self) -> str | None:
+        """Which budget stops the next model turn ("max_turns", "max_total_tokens"), or None."""
+        if len(self.turns) >= self.budgets.max_turns:
+            return "max_turns"
+        if len(self.token_ids) >= self.budgets.max_total_tokens:
+            return "max_total_tokens"
+        return None
+
+    def max_new_tokens(self) -> int:
+        """Token limit for the next turn: min(per-turn, total left); <= 0 means no turn is allowed."""
+        if len(self.turns) >= self.budgets.max_turns:
+            return 0
+        return min(self.budgets.max_new_tokens_per_turn, self.budgets.max_total_tokens - len(self.token_ids))
+
+    # -- writing
+
+    def add_completion(self, completion: Completion, message: Message) -> None:
+        """Append the sampled ids verbatim (mask 1, the engine's logprobs and versions)."""
+        if not self._awaiting_generation:
+            raise RuntimeError("add_completion: the conversation does not end with a generation prompt")
+        start = len(self.token_ids)
+        self.token_ids.extend(completion.ids)
+        self.loss_mask.extend([1] * len(completion.ids))
+        self.logprobs.extend(completion.logprobs)
+        self.versions.extend(completion.versions)
+        self.turns.append(
+            Turn(
+                start=start,
+                end=len(self.token_ids),
+                tool_calls=[c.name for c in message.tool_calls],
+                info={"finish_reason": completion.finish_reason},
+            )
+        )
+        self.messages.append(message)
+        _, closing = self._boundary_info()
+        self._pending_close = closing_remainder(completion.ids, closing, self.tokenizer.eos_ids)
+        self._awaiting_generation = False
+
+    def add_messages(self, messages: Sequence[Message]) -> bool:
+        """Append env/tool messages and the next generation prompt (mask 0).
+
+        Tool outputs are cut to `max_tool_output_tokens` first. Returns False,
+        appending nothing, when the result would exceed `max_total_tokens`.
+        """
+        if self._awaiting_generation:
+            raise RuntimeError(
+                "add_messages: a model turn is due first (the conversation ends with a prompt)"
+            )
+        new = [self._fit_tool_output(m) for m in messages]
+        prefix, _ = self._boundary_info()
+        full = self.tokenizer.render([*_dummy_prefix(), *new], tools=self.tools, add_generation_prompt=True)
+        if not full.startswith(prefix):
+            raise ValueError(
+                "the chat template re-renders earlier messages when new ones are appended; "
+                "the delta of these messages cannot be taken: "
+                f"{[m.role for m in new]}"
+            )
+        delta = self._pending_close + self.tokenizer.encode(full[len(prefix) :])
+        if len(self.token_ids) + len(delta) > self.budgets.max_total_tokens:
+            return False
+        self.token_ids.extend(delta)
+        self.loss_mask.extend([0] * len(delta))
+        self.logprobs.extend([0.0] * len(delta))
+        self.versions.extend([-1] * len(delta))
+        self.messages.extend(new)
+        self._pending_close = []
+        self._awaiting_generation = True
+        return True
+
+    def _fit_tool_output(self, message: Message) -> Message:
+        if message.role != "tool":
+            return message
+        b = self.budgets
+        text = truncate_ids_text(
+            self.tokenizer, message.content, b.max_tool_output_tokens, b.tool_output_truncation
+        )
+        return message if text is message.content else dataclasses.replace(message, content=text)
+
+    def _boundary_info(self) -> tuple[str, list[int]]:
+        """(text of the dummy prefix, ids of the turn-closing text), cached per tokenizer and tools."""
+        if self._boundary is None:
+            cache: dict[str, tuple[str, list[int]]] | None = getattr(self.tokenizer, "boundary_cache", None)
+            key = json.dumps(self.tools, sort_keys=True) if self.tools else ""
+            found = cache.get(key) if cache is not None else None
+            if found is None:
+                prefix = self.tokenizer.render(_dummy_prefix(), tools=self.tools)
+                at = prefix.rfind(_MARKER)
+                if at < 0:
+                    raise ValueError(
+                        "the chat template drops assistant content; cannot find where a turn ends"
+                    )
+                found = (prefix, self.tokenizer.encode(prefix[at + len(_MARKER) :]))
+                if cache is not None:
+                    cache[key] = found
+            self._boundary = found
+        return self._boundary
+
+    # -- metrics and export
+
+    def reference_ids(self) -> list[int]:
+        """``encode(render(all messages))``: what re-tokenising the episode would give."""
+        text = self.tokenizer.render(
+            self.messages, tools=self.tools, add_generation_prompt=self._awaiting_generation
+        )
+        return self.tokenizer.encode(text)
+
+    def retokenization_drift(self) -> float:
+        """0.0 when the ids equal `reference_ids()`; else the fraction of misaligned positions.
+
+        The ids compared are the episode's ids plus any turn-closing ids still
+        owed after a final model turn. A template that cannot render the whole
+        conversation counts as complete drift (1.0).
+        """
+        try:
+            reference = self.reference_ids()
+        except Exception:
+            return 1.0
+        return token_drift(self.token_ids + self._pending_close, reference)
+
+    def to_trajectory(self, *, task_id: str, env: str, **fields: Any) -> Trajectory:
+        """A `Trajectory` with this conversation's tokens, messages, turns and drift metric."""
+        metrics = dict(fields.pop("metrics", {}))
+        metrics.setdefault("retokenization_drift", self.retokenization_drift())
+        return Trajectory(
+            task_id=task_id,
+            env=env,
+            messages=list(self.messages),
+            token_ids=list(self.token_ids),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            turns=list(self.turns),
+            metrics=metrics,
+            **fields,
+        )

@@ -1,0 +1,298 @@
+"""The run config: one pydantic model from YAML plus `a.b=c` command-line overrides.
+
+Fixed sections (`run`, `model`, `rollout`) are typed here; plugin sections
+(`env`, `engine`, `trainer`, `sandbox`, `reward`) are `{name: ..., <params>}` and
+their params are validated by the plugin's own `Config` (found through a
+`Plugins` registry), so every key is either honoured or rejected. A bad config
+raises `ConfigError` with the full key path, the bad value and what is allowed::
+
+    rollout.max_staleness: got -1; Input should be greater than or equal to 0
+
+`dump_config` writes the fully resolved config (every default filled in) as
+YAML; loading that YAML again gives the same config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from agentrl.errors import ConfigError, PluginError, config_error
+from agentrl.registry import Plugins
+from agentrl.rollout_config import RolloutConfig
+
+Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(_Section):
+    """Where the run lives, how long it trains, when it saves and evaluates."""
+
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = Field(100, ge=1, description="optimizer steps to train")
+    save_every: int = Field(50, ge=1, description="checkpoint every N steps (and at the end)")
+    eval_every: int = Field(0, ge=0, description="evaluate every N steps; 0 = never")
+    eval_tasks: int = Field(64, ge=1, description="tasks of the eval split per evaluation")
+    eval_split: str = "test"
+    eval_samples: int = Field(1, ge=1, description="samples per eval task (pass@k uses k <= this)")
+    loggers: list[Logger] = ["jsonl"]  # pydantic copies mutable defaults per instance
+
+
+class ModelSection(_Section):
+    """The policy model: a local directory, a built-in alias or a hub id."""
+
+    path: str = "smollm2-135m-instruct"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+
+
+class WarmStartSection(_Section):
+    """Optional SFT before RL: on the env's demonstrations or a past run's good episodes."""
+
+    steps: int = Field(0, ge=0, description="SFT steps before RL; 0 = no warm start")
+    source: Literal["demonstrations", "store"] = "demonstrations"
+    batch_size: int = Field(8, ge=1)
+    store_path: str | None = Field(None, description="trajectories.sqlite of a past run (source=store)")
+    min_reward: float = Field(1.0, description="keep stored episodes with reward >= this (source=store)")
+
+    @model_validator(mode="after")
+    def _store_needs_path(self) -> WarmStartSection:
+        if self.steps and self.source == "store" and not self.store_path:
+            raise ValueError("warm_start.source='store' needs warm_start.store_path")
+        return self
+
+
+class PluginSpec(BaseModel):
+    """`{name: <plugin>, <param>: <value>, ...}`; params are checked by the plugin's Config."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    _config: BaseModel | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        """`env: calculator` means `env: {name: calculator}`."""
+        return {"name": data} if isinstance(data, str) else data
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """Every key but `name` (after `load_config`: the validated params with defaults)."""
+        return dict(self.model_extra or {})
+
+    @property
+    def config(self) -> BaseModel | None:
+        """The plugin's validated Config object (None before validation or without a Config)."""
+        return self._config
+
+
+# plugin section -> registry kind
+PLUGIN_SECTIONS: dict[str, str] = {
+    "env": "envs",
+    "engine": "engines",
+    "trainer": "trainers",
+    "sandbox": "sandboxes",
+    "reward": "rewards",
+}
+
+
+DEFAULT_PLUGINS: dict[str, str] = {"engine": "hf", "trainer": "torch"}
+
+
+class RunConfig(_Section):
+    """Everything one `agentrl train` needs."""
+
+    run: RunSection = RunSection.model_validate({})
+    model: ModelSection = ModelSection.model_validate({})
+    env: PluginSpec
+    engine: PluginSpec = PluginSpec(name=DEFAULT_PLUGINS["engine"])
+    trainer: PluginSpec = PluginSpec(name=DEFAULT_PLUGINS["trainer"])
+    sandbox: PluginSpec | None = None
+    reward: PluginSpec | None = None
+    rollout: RolloutConfig = RolloutConfig.model_validate({})
+    warm_start: WarmStartSection = WarmStartSection.model_validate({})
+    plugins: list[str] = Field(default_factory=list, description="user modules to import for their plugins")
+    _registry: Plugins | None = PrivateAttr(default=None)
+
+    def registry(self) -> Plugins:
+        """The Plugins this config was validated against (discovered anew if none)."""
+        if self._registry is None:
+            self._registry = Plugins.discover(modules=self.plugins)
+        return self._registry
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"a.b=c"` -> (["a", "b"], c parsed as a YAML value)."""
+    key, sep, raw = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(p.strip() for p in parts):
+        raise ConfigError(f"override {text!r} is not of the form key.path=value (e.g. rollout.group_size=4)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+    return [p.strip() for p in parts], value
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of `raw` with each `a.b=c` set; unknown keys are left for validation to reject."""
+    out: dict[str, Any] = _deep_copy(raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"{'.'.join(parts)}: cannot set it, {where} is {child!r}, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@contextlib.contextmanager
+def on_path(directory: Path | None) -> Iterator[None]:
+    """Make user plugin modules next to the config file importable while importing them."""
+    if directory is None or str(directory) in sys.path:
+        yield
+        return
+    sys.path.insert(0, str(directory))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(str(directory))
+
+
+def _trainer_config_model() -> type[BaseModel] | None:
+    """`agentrl.trainers.config.TrainerConfig` when it exists (it never imports torch)."""
+    try:
+        module = importlib.import_module("agentrl.trainers.config")
+    except ModuleNotFoundError as e:
+        if e.name in ("agentrl.trainers.config", "agentrl.trainers"):
+            return None
+        raise
+    model = getattr(module, "TrainerConfig", None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _inherited_params(plugins: Plugins, config: RunConfig, section: str, spec: PluginSpec) -> dict[str, Any]:
+    """Engine params `model`/`dtype` default to the `model` section, so one key sets the policy."""
+    if section != "engine":
+        return {}
+    model = getattr(plugins.engines.get(spec.name), "Config", None)
+    fields = model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else {}
+    inherited = {"model": config.model.path, "dtype": config.model.dtype}
+    return {k: v for k, v in inherited.items() if k in fields}
+
+
+def _validate_section(plugins: Plugins, config: RunConfig, section: str, spec: PluginSpec) -> BaseModel | None:
+    kind = PLUGIN_SECTIONS[section]
+    registry = plugins.registry(kind)
+    if section == "trainer":
+        # The trainer class imports torch: check the name without loading it and
+        # validate params with the torch-free TrainerConfig.
+        model = _trainer_config_model()
+        if model is not None:
+            if ":" not in spec.name:
+                registry.entry(spec.name)
+            try:
+                return model.model_validate(spec.params)
+            except ValidationError as e:
+                raise config_error(e, prefix=section, model=model) from None
+    params = {**_inherited_params(plugins, config, section, spec), **spec.params}
+    return plugins.validate_params(kind, spec.name, params, prefix=section)
+
+
+def resolve_config(
+    raw: Mapping[str, Any] | None,
+    overrides: Sequence[str] = (),
+    *,
+    plugins: Plugins | None = None,
+    base_dir: Path | None = None,
+) -> RunConfig:
+    """Validate a config dict (plus overrides) into a fully resolved RunConfig."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    data = apply_overrides(raw, overrides)
+    for section, name in DEFAULT_PLUGINS.items():  # `trainer.lr=...` alone keeps the default trainer
+        spec = data.setdefault(section, {})
+        if isinstance(spec, dict):
+            spec.setdefault("name", name)
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise config_error(e, model=RunConfig) from None
+    with on_path(base_dir):
+        if plugins is None:
+            plugins = Plugins.discover(modules=config.plugins)
+        else:
+            for module in config.plugins:
+                plugins.add_module(module)
+    updates: dict[str, PluginSpec] = {}
+    for section in PLUGIN_SECTIONS:
+        spec = getattr(config, section)
+        if spec is None:
+            continue
+        try:
+            validated = _validate_section(plugins, config, section, spec)
+        except PluginError as e:
+            raise ConfigError(f"{section}.name: {e}") from None
+        params = validated.model_dump() if validated is not None else {}
+        resolved = PluginSpec.model_validate({"name": spec.name, **params})
+        resolved._config = validated
+        updates[section] = resolved
+    config = config.model_copy(update=updates)
+    config._registry = plugins
+    return config
+
+
+def load_config(
+    path: str | Path, overrides: Sequence[str] = (), *, plugins: Plugins | None = None
+) -> RunConfig:
+    """Read a YAML config file, apply `a.b=c` overrides and validate everything."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror or e}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    return resolve_config(raw, overrides, plugins=plugins, base_dir=path.resolve().parent)
+
+
+def dump_config(config: RunConfig) -> str:
+    """The fully resolved config as YAML (loading it back gives the same config)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

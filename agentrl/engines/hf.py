@@ -1,0 +1,434 @@
+"""The embedded engine: a transformers causal LM with continuous batching of its own.
+
+Concurrent `generate` calls land in a waiting list; one worker thread runs the
+scheduler: at every step it admits waiting requests (one left-padded prefill,
+whose KV cache is merged into the running batch), runs one decode step for all
+running rows, samples per row (own temperature/top-k/top-p, exact logprobs,
+see `hf_sampling`), and retires finished rows (stop id, stop string, max
+tokens) by resolving their futures on the caller's event loop. The model never
+runs on the event loop, so the loop stays responsive while it decodes.
+
+Own scheduler rather than transformers' `generate_batch`: it gives per-token
+logprobs under the sampled distribution, per-token policy versions and weight
+updates between decode steps, and it is faster here (benchmarks/hf_engine.py).
+
+Weight updates copy tensors in place under the step lock (between decode
+steps) and bump `policy_version`. `update_mode="continue_new"` lets running
+requests continue on the new weights (their later tokens carry the new
+version); `"finish_old"` stops admitting, lets running requests finish on the
+old weights, then copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.engines.base import EngineHealth, Sampling, WeightSource
+from agentrl.engines.hf_sampling import RowSampling, sample_rows
+from agentrl.engines.models import resolve_model
+from agentrl.types import Completion, FinishReason
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed while a request was waiting or running."""
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    sampling: Sampling
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Completion]
+    stop_ids: frozenset[int]
+    row: RowSampling
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text_len: int = 0
+    cancelled: bool = False
+
+
+@dataclass
+class _Batch:
+    """The running rows and their shared left-padded KV cache (worker thread only)."""
+
+    rows: list[_Request]
+    cache: Any  # transformers DynamicCache
+    attn: torch.Tensor  # [B, L] 1 = real token in the cache, 0 = left padding
+    pos: torch.Tensor  # [B] position id of the next input token
+    next_ids: torch.Tensor  # [B] last sampled token, not yet in the cache
+
+
+class HFEngine:
+    """A transformers model serving many concurrent requests from one worker thread."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        model: str = Field(default="smollm2-135m-instruct", description="local path, alias or hub id")
+        dtype: Literal["auto", "bf16", "fp32"] = "auto"
+        autocast_bf16: bool = Field(default=False, description="fp32 weights, bf16 autocast matmuls (CPU)")
+        max_batch_size: int = Field(default=32, ge=1)
+        device: str = "cpu"
+        update_mode: Literal["finish_old", "continue_new"] = "continue_new"
+        stop_on_eos: bool = Field(default=True, description="also stop at the model's eos ids")
+        request_timeout_s: float = Field(default=600.0, gt=0)
+        update_timeout_s: float = Field(default=600.0, gt=0)
+        seed: int = 0
+
+    def __init__(self, config: HFEngine.Config | None = None, *, model: Any = None, tokenizer: Any = None) -> None:
+        self.config = cfg = config if config is not None else self.Config()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_model(cfg.model) if model is None or tokenizer is None else cfg.model
+        dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        self.model = model.to(cfg.device).eval()
+        self.tokenizer: Any = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
+        self.policy_version = 0
+        eos = self.model.generation_config.eos_token_id
+        eos_list = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self._eos_ids = frozenset(eos_list) if cfg.stop_on_eos else frozenset()
+        pad = self.model.generation_config.pad_token_id
+        self._pad_id = int(pad if pad is not None else (eos_list[0] if eos_list else 0))
+        self._generator = torch.Generator().manual_seed(cfg.seed)
+        self._cv = threading.Condition()
+        self._step_lock = threading.Lock()  # held during a step; weight copies take it between steps
+        self._update_lock: asyncio.Lock | None = None
+        self._waiting: deque[_Request] = deque()
+        self._paused = False  # finish_old update in progress: admit nothing
+        self._running = 0
+        self._closed = False
+        self._worker: threading.Thread | None = None
+        self._t0 = time.monotonic()
+        self._busy_s = 0.0
+        self.steps = 0
+        self.tokens_generated = 0
+
+    @classmethod
+    def from_config(cls, config: HFEngine.Config | dict[str, Any], *, tokenizer: Any = None) -> HFEngine:
+        """Build from a config; a ChatTokenizer (anything with `decode`) is used for stop strings/text."""
+        cfg = config if isinstance(config, cls.Config) else cls.Config.model_validate(config)
+        engine = cls(cfg)
+        if tokenizer is not None:
+            engine.tokenizer = tokenizer
+        return engine
+
+    # -- requests (event loop side) ---------------------------------------------------------
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
+        if self._closed:
+            raise EngineClosed("hf engine is closed")
+        if not prompt_ids:
+            raise ValueError("generate: prompt_ids is empty")
+        loop = asyncio.get_running_loop()
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        req = _Request(
+            prompt=list(prompt_ids),
+            sampling=sampling,
+            loop=loop,
+            future=loop.create_future(),
+            stop_ids=self._eos_ids | frozenset(sampling.stop_ids),
+            row=RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, gen),
+        )
+        self._ensure_worker()
+        with self._cv:
+            self._waiting.append(req)
+            self._cv.notify()
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                return await req.future
+        except BaseException:
+            req.cancelled = True  # the worker drops it at its next step
+            raise
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="agentrl-hf-engine", daemon=True)
+            self._worker.start()
+
+    # -- the scheduler (worker thread) ------------------------------------------------------
+
+    def _run(self) -> None:
+        batch: _Batch | None = None
+        while True:
+            with self._cv:
+                while not self._closed and not batch and not (self._waiting and not self._paused):
+                    self._cv.wait()
+                if self._closed:
+                    break
+                new: list[_Request] = []
+                room = self.config.max_batch_size - (len(batch.rows) if batch else 0)
+                while self._waiting and not self._paused and len(new) < room:
+                    req = self._waiting.popleft()
+                    if not req.cancelled:
+                        new.append(req)
+                self._running = len(new) + (len(batch.rows) if batch else 0)
+            started = time.monotonic()
+            try:
+                with self._step_lock, torch.inference_mode(), self._autocast():
+                    if new:
+                        batch = self._admit(batch, new)
+                    if batch is not None:
+                        batch = self._decode(batch)
+            except Exception as e:  # a failed step fails its requests, not the engine
+                failed = [*(batch.rows if batch else []), *new]
+                batch = None
+                for req in failed:
+                    self._resolve(req, e)
+            self._busy_s += time.monotonic() - started
+            with self._cv:
+                self._running = len(batch.rows) if batch else 0
+        leftover = [*(batch.rows if batch else []), *self._waiting]
+        self._waiting.clear()
+        for req in leftover:
+            self._resolve(req, EngineClosed("hf engine closed before the request finished"))
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.autocast_bf16:
+            return torch.autocast(device_type=self.model.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _admit(self, batch: _Batch | None, new: list[_Request]) -> _Batch | None:
+        """Prefill the new prompts together and merge them into the running batch."""
+        width = max(len(r.prompt) for r in new)
+        dev = self.model.device
+        ids = torch.full((len(new), width), self._pad_id, dtype=torch.long)
+        attn = torch.zeros((len(new), width), dtype=torch.long)
+        for i, r in enumerate(new):
+            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            attn[i, width - len(r.prompt) :] = 1
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids.to(dev),
+            attention_mask=attn.to(dev),
+            position_ids=positions.to(dev),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        keep = attn.to(dev)[:, None, :, None]
+        for layer in cache.layers:  # padded slots may hold garbage; zero them
+            layer.keys.mul_(keep.to(layer.keys.dtype))
+            layer.values.mul_(keep.to(layer.values.dtype))
+        fresh = _Batch(
+            rows=new,
+            cache=cache,
+            attn=attn,
+            pos=attn.sum(-1),
+            next_ids=torch.zeros(len(new), dtype=torch.long),
+        )
+        self._sample_into(fresh, out.logits[:, -1, :])
+        merged = fresh if batch is None else _merge(batch, fresh)
+        return self._retire(merged)
+
+    def _decode(self, batch: _Batch) -> _Batch | None:
+        """One decode step for every running row."""
+        dev = self.model.device
+        batch.attn = torch.cat([batch.attn, torch.ones((len(batch.rows), 1), dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=batch.next_ids.unsqueeze(1).to(dev),
+            attention_mask=batch.attn.to(dev),
+            position_ids=batch.pos.unsqueeze(1).to(dev),
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.cache = out.past_key_values
+        batch.pos = batch.pos + 1
+        self._sample_into(batch, out.logits[:, -1, :])
+        self.steps += 1
+        return self._retire(batch)
+
+    def _sample_into(self, batch: _Batch, logits: torch.Tensor) -> None:
+        ids, logprobs = sample_rows(logits, [r.row for r in batch.rows], self._generator)
+        batch.next_ids = torch.tensor(ids, dtype=torch.long)
+        version = self.policy_version
+        for req, tok, lp in zip(batch.rows, ids, logprobs, strict=True):
+            req.ids.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(version)
+        self.tokens_generated += len(ids)
+
+    def _retire(self, batch: _Batch) -> _Batch | None:
+        """Resolve finished or cancelled rows and drop them from the batch."""
+        keep: list[int] = []
+        for i, req in enumerate(batch.rows):
+            reason = None if req.cancelled else self._finish_reason(req)
+            if req.cancelled:
+                continue
+            if reason is None:
+                keep.append(i)
+            else:
+                text = self.tokenizer.decode(req.ids)
+                self._resolve(
+                    req, Completion(req.prompt, req.ids, req.logprobs, req.versions, reason, text=text)
+                )
+        if len(keep) == len(batch.rows):
+            return batch
+        if not keep:
+            return None
+        return _select(batch, keep)
+
+    def _finish_reason(self, req: _Request) -> FinishReason | None:
+        if req.ids[-1] in req.stop_ids:
+            return "stop"
+        stops = req.sampling.stop_strings
+        if stops:
+            text = self.tokenizer.decode(req.ids)
+            for s in stops:
+                if text.find(s, max(0, req.text_len - len(s) + 1)) >= 0:
+                    return "stop"
+            req.text_len = len(text)
+        if len(req.ids) >= req.sampling.max_tokens:
+            return "length"
+        return None
+
+    @staticmethod
+    def _resolve(req: _Request, result: Completion | BaseException) -> None:
+        def deliver() -> None:
+            if req.future.done():
+                return
+            if isinstance(result, BaseException):
+                req.future.set_exception(result)
+            else:
+                req.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the caller's loop is already closed
+            req.loop.call_soon_threadsafe(deliver)
+
+    # -- weights, health, lifecycle ---------------------------------------------------------
+
+    async def update_weights(self, weights: WeightSource, version: int) -> None:
+        """Copy named tensors (HF names) into the model in place, then serve `version`."""
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with asyncio.timeout(self.config.update_timeout_s), self._update_lock:
+            if self.config.update_mode == "finish_old":
+                with self._cv:
+                    self._paused = True
+                try:
+                    while self._running:
+                        await asyncio.sleep(0.005)
+                    await asyncio.to_thread(self._copy_weights, weights, version)
+                finally:
+                    with self._cv:
+                        self._paused = False
+                        self._cv.notify()
+            else:
+                await asyncio.to_thread(self._copy_weights, weights, version)
+
+    def _copy_weights(self, weights: WeightSource, version: int) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        with self._step_lock, torch.no_grad():
+            for bucket in weights.buckets():
+                for name, tensor in bucket:
+                    target = params.get(name)
+                    if target is None:
+                        raise KeyError(
+                            f"update_weights: unknown parameter {name!r} "
+                            f"(the model has e.g. {', '.join(list(params)[:3])})"
+                        )
+                    if tuple(target.shape) != tuple(tensor.shape):
+                        raise ValueError(
+                            f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                            f"the model expects {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            self.policy_version = version
+
+    def busy_seconds(self) -> float:
+        """Seconds the worker spent in model steps since creation."""
+        return self._busy_s
+
+    def busy_fraction(self) -> float:
+        wall = time.monotonic() - self._t0
+        return min(1.0, self._busy_s / wall) if wall > 0 else 0.0
+
+    async def health(self) -> EngineHealth:
+        alive = self._worker is None or self._worker.is_alive()
+        return EngineHealth(
+            ok=alive and not self._closed,
+            policy_version=self.policy_version,
+            in_flight=self._running + len(self._waiting),
+            busy_fraction=self.busy_fraction(),
+            detail={"steps": self.steps, "tokens": self.tokens_generated, "paused": self._paused},
+        )
+
+    async def close(self) -> None:
+        """Fail waiting/running requests with EngineClosed and join the worker thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._worker is not None:
+            worker = self._worker
+            async with asyncio.timeout(self.config.request_timeout_s):
+                while worker.is_alive():
+                    await asyncio.sleep(0.01)
+            self._worker = None
+
+    async def __aenter__(self) -> HFEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _layers(cache: Any) -> Iterator[Any]:
+    yield from cache.layers
+
+
+def _merge(old: _Batch, new: _Batch) -> _Batch:
+    """Concatenate two batches, left-padding the shorter KV cache so lengths agree."""
+    width = max(old.attn.shape[1], new.attn.shape[1])
+
+    def pad_kv(t: torch.Tensor) -> torch.Tensor:
+        short = width - t.shape[2]
+        return torch.nn.functional.pad(t, (0, 0, short, 0)) if short else t
+
+    def pad_attn(a: torch.Tensor) -> torch.Tensor:
+        short = width - a.shape[1]
+        return torch.nn.functional.pad(a, (short, 0)) if short else a
+
+    for lo, ln in zip(_layers(old.cache), _layers(new.cache), strict=True):
+        lo.keys = torch.cat([pad_kv(lo.keys), pad_kv(ln.keys)], dim=0)
+        lo.values = torch.cat([pad_kv(lo.values), pad_kv(ln.values)], dim=0)
+    return _Batch(
+        rows=old.rows + new.rows,
+        cache=old.cache,
+        attn=torch.cat([pad_attn(old.attn), pad_attn(new.attn)], dim=0),
+        pos=torch.cat([old.pos, new.pos]),
+        next_ids=torch.cat([old.next_ids, new.next_ids]),
+    )
+
+
+def _select(batch: _Batch, keep: list[int]) -> _Batch:
+    """Keep only rows `keep`, and drop cache columns that are padding in every kept row."""
+    idx = torch.tensor(keep, dtype=torch.long)
+    attn = batch.attn[idx]
+    lead = int((attn.sum(0) > 0).long().argmax())  # first column some row uses
+    for layer in _layers(batch.cache):
+        layer.keys = layer.keys[idx.to(layer.keys.device), :, lead:]
+        layer.values = layer.values[idx.to(layer.values.device), :, lead:]
+    return _Batch(
+        rows=[batch.rows[i] for i in keep],
+        cache=batch.cache,
+        attn=attn[:, lead:],
+        pos=batch.pos[idx],
+        next_ids=batch.next_ids[idx],
+    )

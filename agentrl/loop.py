@@ -1,0 +1,122 @@
+"""The training loop, top to bottom on one screen.
+
+Rollouts run continuously in the background (RolloutManager); this loop takes
+finished groups, trains on a batch, pushes the new weights to the engine and
+moves the staleness gate. Every group is stored in the same transaction as the
+step's metrics and the data cursor, so a crash at any point loses nothing that
+was stored and resumes without skipping or repeating a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from agentrl.config import RunConfig, dump_config
+from agentrl.metrics_log import MetricsLog
+from agentrl.progress import TrainProgress
+from agentrl.rollout import RolloutManager
+from agentrl.run_dir import RunDir
+from agentrl.store import TrajectoryStore
+from agentrl.task_stream import TaskStream, cursor_of
+from agentrl.types import Group
+from agentrl.wiring import Parts, batch_metrics, build_parts, run_eval, warm_start
+
+T = TypeVar("T")
+
+
+async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
+    """Train per `config` (or continue the run at `resume`); returns the run directory."""
+    run = RunDir.existing(resume) if resume else RunDir.create(Path(config.run.output_dir), config.run.name)
+    run.config_path.write_text(dump_config(config))
+    parts = build_parts(config)
+    store = TrajectoryStore(run.store_path)
+    store.set_run_config(config.model_dump(mode="json"))
+    log = MetricsLog(run.path, loggers=config.run.loggers, project="agentrl", name=run.path.name,
+                     config=config.model_dump(mode="json"))
+    step, retrain = _restore(run, parts, store)
+    if step == 0 and not retrain:
+        await warm_start(config, parts, store, log)
+    await parts.engine.update_weights(parts.trainer.state_for_engines(), parts.trainer.policy_version)
+    stream = TaskStream(parts.train_tasks, seed=config.run.seed)
+    rollouts = RolloutManager(parts.env_factory, stream.iterate(store.cursors()), parts.engine, parts.tokenizer,
+                              config.rollout, start_version=parts.trainer.policy_version)
+    save = lambda s: run.save_checkpoint(s, lambda d: parts.trainer.save(d, {"step": s}))  # noqa: E731
+    try:
+        lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
+        async with rollouts:
+            with TrainProgress(config.run.steps, start_step=step, console=log.console) as progress:
+                if step == 0 and config.run.eval_every:
+                    log.write(0, await run_eval(config, parts, store, step=0))
+                async for batch in _batches(retrain, rollouts.groups(), config.rollout.groups_per_step):
+                    started = time.perf_counter()
+                    metrics = await _off_thread(lock, parts.trainer.train_step, batch)
+                    step += 1
+                    await parts.engine.update_weights(parts.trainer.state_for_engines(),
+                                                      parts.trainer.policy_version)
+                    rollouts.set_trainer_version(parts.trainer.policy_version)
+                    metrics |= rollouts.metrics() | batch_metrics(batch, parts.trainer.policy_version)
+                    metrics["time/step_s"] = time.perf_counter() - started
+                    for group in batch:
+                        store.add_group(group, step=step, status="trained")
+                    store.add_metrics(step, metrics)
+                    store.commit()
+                    if config.run.eval_every and step % config.run.eval_every == 0:
+                        metrics |= await run_eval(config, parts, store, step=step)
+                    log.write(step, metrics)
+                    progress.update(step, metrics)
+                    if step % config.run.save_every == 0 or step >= config.run.steps:
+                        await _off_thread(lock, save, step)
+                    if step >= config.run.steps:
+                        break
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.console.print(f"[yellow]interrupted: writing a checkpoint at step {step}[/]")
+        save(step)
+        raise
+    finally:
+        store.close()
+        log.close()
+        await parts.close()
+    return run.path
+
+
+def _restore(run: RunDir, parts: Parts, store: TrajectoryStore) -> tuple[int, list[Group]]:
+    """Load the newest checkpoint; return its step and the stored groups trained after it.
+
+    Those groups' weights died with the crash; they are trained again from the
+    store (same trajectories, same order) instead of being sampled again.
+    """
+    latest = run.latest_checkpoint()
+    step = int(parts.trainer.load(latest[1])["step"]) if latest else 0
+    return step, store.groups_after(step, status="trained")
+
+
+async def _batches(
+    retrain: Sequence[Group], live: AsyncIterator[Group], size: int
+) -> AsyncIterator[list[Group]]:
+    """Stored groups to re-train first (by their stored step), then live ones, in batches."""
+    batch: list[Group] = []
+    for group in retrain:
+        batch.append(group)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    async for group in live:
+        batch.append(group)
+        if len(batch) == size:
+            yield sorted(batch, key=lambda g: cursor_of(g.task))
+            batch = []
+
+
+async def _off_thread(lock: asyncio.Lock, fn: Callable[..., T], *args: object) -> T:
+    """Run blocking trainer work in a thread; a cancel waits for it to finish first."""
+    async with lock:
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await asyncio.wait([work])
+            raise

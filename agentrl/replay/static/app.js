@@ -1,0 +1,574 @@
+// agentrl replay: a dependency-free single-page inspector over /api/*.
+//
+// Security rule for this file: model output is untrusted. Every string from
+// the server reaches the page through text nodes (the `h` helper and
+// `textContent`); nothing here assigns HTML (no innerHTML, no insertAdjacentHTML).
+"use strict";
+
+const state = {
+  run: null,          // /api/run
+  listCursors: [],    // stack of cursors for "previous page"
+  tokenField: "loss_mask",
+  timer: null,
+  playTimer: null,
+};
+
+// ------------------------------------------------------------------ helpers
+
+function h(tag, props, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(props || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") el.className = v;
+    else if (k === "text") el.textContent = String(v);
+    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "dataset") Object.assign(el.dataset, v);
+    else if (k === "style") el.style.cssText = v;  // CSSOM, allowed by the CSP (style attributes are not)
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    el.appendChild(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+function svg(tag, attrs, ...children) {
+  const el = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, String(v));
+  for (const c of children) el.appendChild(c instanceof Node ? c : document.createTextNode(String(c)));
+  return el;
+}
+
+async function api(path, options) {
+  const resp = await fetch(path, Object.assign({ credentials: "same-origin" }, options || {}));
+  let body = null;
+  try { body = await resp.json(); } catch (e) { body = null; }
+  if (!resp.ok) throw new Error((body && body.error) || `${resp.status} ${resp.statusText}`);
+  return body;
+}
+
+function fmt(x, digits) {
+  if (x === null || x === undefined) return "n/a";
+  if (typeof x === "number") {
+    if (Number.isInteger(x)) return String(x);
+    return x.toFixed(digits === undefined ? 3 : digits);
+  }
+  return String(x);
+}
+
+function setMain(...children) {
+  const app = document.getElementById("app");
+  app.replaceChildren(...children);
+}
+
+function showError(err) {
+  setMain(h("div", { class: "error-box", id: "error" }, String(err && err.message ? err.message : err)));
+}
+
+function parseHash() {
+  const raw = location.hash.replace(/^#/, "") || "/overview";
+  const [path, query] = raw.split("?");
+  return { parts: path.split("/").filter(Boolean).map(decodeURIComponent), params: new URLSearchParams(query || "") };
+}
+
+function navActive(name) {
+  for (const id of ["nav-overview", "nav-list"]) {
+    document.getElementById(id).classList.toggle("active", id === `nav-${name}`);
+  }
+}
+
+// ------------------------------------------------------------------ router
+
+async function route() {
+  stopPlayback();
+  hideTooltip();
+  const { parts, params } = parseHash();
+  try {
+    if (parts[0] === "t" && parts[1]) { navActive("list"); await showTrajectory(parts[1], params); }
+    else if (parts[0] === "g" && parts[1]) { navActive("list"); await showGroupPage(parts[1]); }
+    else if (parts[0] === "list") { navActive("list"); await showList(params); }
+    else { navActive("overview"); await showOverview(); }
+  } catch (err) {
+    showError(err);
+  }
+}
+
+async function refreshRun() {
+  try {
+    state.run = await api("/api/run");
+    const cfg = state.run.config || {};
+    const name = (cfg.run && cfg.run.name) || state.run.path;
+    document.getElementById("run-name").textContent = name;
+    document.getElementById("live-count").textContent = `${state.run.count} trajectories`;
+    document.getElementById("live").classList.remove("stale");
+  } catch (err) {
+    document.getElementById("live").classList.add("stale");
+  }
+}
+
+// ------------------------------------------------------------------ overview
+
+async function showOverview() {
+  const data = await api("/api/metrics");
+  const run = state.run || {};
+  const steps = data.steps || [];
+  const stats = h("div", { class: "stats" },
+    h("div", {}, h("b", { text: fmt(run.count) }), "trajectories"),
+    h("div", {}, h("b", { text: steps.length ? fmt(steps[steps.length - 1].step) : "n/a" }), "latest step"),
+    h("div", {}, h("b", { text: fmt(data.metrics.length) }), "steps with metrics"));
+  const charts = h("div", { class: "charts", id: "charts" });
+  if (steps.length) {
+    charts.appendChild(chart("reward (mean, min–max band)", steps.map(s => [s.step, s.reward_mean]),
+      steps.map(s => [s.step, s.reward_min, s.reward_max])));
+    charts.appendChild(chart("trajectory length (mean tokens)", steps.map(s => [s.step, s.length_mean])));
+    charts.appendChild(chart("errors + truncations per step", steps.map(s => [s.step, s.errors + s.truncated])));
+  }
+  const keys = new Set();
+  for (const m of data.metrics) for (const k of Object.keys(m.values)) keys.add(k);
+  for (const k of [...keys].sort()) {
+    charts.appendChild(chart(k, data.metrics.filter(m => m.values[k] !== null && m.values[k] !== undefined)
+      .map(m => [m.step, m.values[k]])));
+  }
+  const cfg = run.config ? h("details", { class: "panel" }, h("summary", { text: "run config" }),
+    h("pre", { class: "code", text: JSON.stringify(run.config, null, 2) })) : null;
+  setMain(h("h2", { text: "Run overview" }), h("div", { class: "panel" }, stats),
+    charts.childElementCount ? charts : h("p", { class: "muted", text: "No steps recorded yet." }), cfg);
+}
+
+function chart(title, points, band) {
+  const W = 340, H = 150, L = 44, R = 8, T = 8, B = 20;
+  const pts = points.filter(p => p[1] !== null && p[1] !== undefined && isFinite(p[1]));
+  const box = h("div", { class: "panel chart", dataset: { metric: title } }, h("h3", { text: title }));
+  if (!pts.length) { box.appendChild(h("p", { class: "muted", text: "no finite values" })); return box; }
+  let ys = pts.map(p => p[1]);
+  if (band) for (const b of band) { if (b[1] !== null) ys.push(b[1]); if (b[2] !== null) ys.push(b[2]); }
+  const xs = pts.map(p => p[0]);
+  let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
+  let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  if (x0 === x1) { x0 -= 1; x1 += 1; }
+  if (y0 === y1) { y0 -= Math.abs(y0) * 0.1 + 1e-9; y1 += Math.abs(y1) * 0.1 + 1e-9; }
+  const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R);
+  const sy = y => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  const g = svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img" });
+  for (const y of [y0, (y0 + y1) / 2, y1]) {
+    g.appendChild(svg("line", { class: "grid", x1: L, x2: W - R, y1: sy(y), y2: sy(y) }));
+    g.appendChild(svg("text", { x: 2, y: sy(y) + 3 }, fmt(y, 3)));
+  }
+  g.appendChild(svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
+  g.appendChild(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
+  g.appendChild(svg("text", { x: L, y: H - 5 }, `step ${fmt(x0)}`));
+  g.appendChild(svg("text", { x: W - R - 60, y: H - 5 }, `step ${fmt(x1)}`));
+  if (band && band.length > 1) {
+    const ok = band.filter(b => b[1] !== null && b[2] !== null);
+    const d = ok.map((b, i) => `${i ? "L" : "M"}${sx(b[0])},${sy(b[2])}`).join(" ") + " " +
+      ok.slice().reverse().map(b => `L${sx(b[0])},${sy(b[1])}`).join(" ") + " Z";
+    g.appendChild(svg("path", { class: "band", d }));
+  }
+  g.appendChild(svg("path", { class: "line", d: pts.map((p, i) => `${i ? "L" : "M"}${sx(p[0])},${sy(p[1])}`).join(" ") }));
+  if (pts.length <= 60) {
+    for (const p of pts) {
+      g.appendChild(svg("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.2 }, svg("title", {}, `step ${p[0]}: ${fmt(p[1], 4)}`)));
+    }
+  }
+  box.appendChild(g);
+  return box;
+}
+
+// ------------------------------------------------------------------ list
+
+const FILTER_FIELDS = ["step_min", "step_max", "env", "status", "reward_min", "reward_max", "error", "truncated",
+  "tool", "length_min", "length_max", "search", "order"];
+
+function select(name, values, current, labels) {
+  return h("select", { name }, values.map((v, i) => h("option", { value: v, selected: v === current },
+    labels ? labels[i] : (v === "" ? "any" : v))));
+}
+
+async function showList(params) {
+  const run = state.run || { filters: {} };
+  const f = run.filters || {};
+  const val = k => params.get(k) || "";
+  const input = (name, type, placeholder) => h("label", {}, name.replace("_", " "),
+    h("input", { name, type: type || "text", value: val(name), placeholder: placeholder || "", step: "any" }));
+  const form = h("form", { id: "filters", onsubmit: ev => { ev.preventDefault(); applyFilters(form); } },
+    input("search", "search", "full text (word, prefix*)"),
+    input("step_min", "number"), input("step_max", "number"),
+    h("label", {}, "env", select("env", ["", ...(f.env || [])], val("env"))),
+    h("label", {}, "status", select("status", ["", ...(f.status || [])], val("status"))),
+    input("reward_min", "number"), input("reward_max", "number"),
+    h("label", {}, "error", select("error", ["", "none", "any", ...(f.error_class || [])], val("error"))),
+    h("label", {}, "truncated", select("truncated", ["", "true", "false"], val("truncated"))),
+    h("label", {}, "tool used", select("tool", ["", ...(f.tool || [])], val("tool"))),
+    input("length_min", "number"), input("length_max", "number"),
+    h("label", {}, "order", select("order", ["newest", "oldest", "reward_desc", "reward_asc", "length_desc", "length_asc"],
+      val("order") || "newest")),
+    h("button", { class: "primary", type: "submit", id: "apply" }, "Apply"),
+    h("button", { type: "button", onclick: () => { location.hash = "#/list"; } }, "Reset"));
+  const query = new URLSearchParams();
+  for (const k of FILTER_FIELDS) if (params.get(k)) query.set(k, params.get(k));
+  const cursor = params.get("cursor");
+  const listQuery = new URLSearchParams(query);
+  listQuery.set("limit", "50");
+  if (cursor) listQuery.set("cursor", cursor);
+  const [page, count] = await Promise.all([api(`/api/trajectories?${listQuery}`), api(`/api/count?${query}`)]);
+  const rows = page.items.map(r => h("tr", { class: "row", dataset: { id: r.id }, onclick: () => { location.hash = `#/t/${encodeURIComponent(r.id)}`; } },
+    h("td", { class: "num", text: r.seq }), h("td", { class: "num", text: fmt(r.step) }), h("td", { text: r.env }),
+    h("td", { text: r.status }), h("td", { class: "num reward", text: fmt(r.reward) }),
+    h("td", { class: "num", text: r.num_tokens }), h("td", { class: "num", text: r.num_turns }),
+    h("td", { text: (r.tools || []).join(", ") }),
+    h("td", {}, r.error_class ? h("span", { class: "badge bad", text: r.error_class }) : null,
+      r.truncated ? h("span", { class: "badge warn", text: "truncated" }) : null),
+    h("td", { class: "preview", text: r.preview, title: r.preview })));
+  const table = h("table", { id: "traj-table" },
+    h("thead", {}, h("tr", {}, ["#", "step", "env", "status", "reward", "tokens", "turns", "tools", "flags", "preview"].map(t => h("th", { text: t })))),
+    h("tbody", {}, rows));
+  const pageParams = next => { const p = new URLSearchParams(query); if (next) p.set("cursor", next); return `#/list?${p}`; };
+  const back = params.get("back");
+  const pager = h("div", { class: "pager" },
+    h("span", { id: "match-count", text: `${count.count} matching` }),
+    cursor ? h("a", { href: back ? pageParams(back) : pageParams(null), id: "prev" }, "← first/previous") : null,
+    page.next_cursor ? h("a", { href: (() => { const p = new URLSearchParams(query); p.set("cursor", page.next_cursor); if (cursor) p.set("back", cursor); return `#/list?${p}`; })(), id: "next" }, "next →") : null);
+  setMain(h("h2", { text: "Trajectories" }), h("div", { class: "panel" }, form),
+    h("div", { class: "panel" }, page.items.length ? table : h("p", { class: "muted", id: "empty", text: "No trajectory matches." }), pager));
+}
+
+function applyFilters(form) {
+  const p = new URLSearchParams();
+  for (const el of form.elements) {
+    if (el.name && el.value && !(el.name === "order" && el.value === "newest")) p.set(el.name, el.value);
+  }
+  location.hash = `#/list?${p}`;
+}
+
+// ------------------------------------------------------------------ trajectory
+
+async function showTrajectory(id, params) {
+  const data = await api(`/api/trajectories/${encodeURIComponent(id)}`);
+  const t = data.trajectory;
+  const tab = params.get("tab") || "conversation";
+  const err = t.error;
+  const meta = h("div", { class: "meta-grid" },
+    kv("id", t.id), kv("task", t.task_id), kv("env", t.env), kv("step", fmt(data.step)), kv("status", data.status),
+    kv("reward", fmt(t.reward)), kv("terminated", String(t.terminated)), kv("truncated", t.truncated ? `true (${t.truncation_reason || "?"})` : "false"),
+    kv("sample", `${t.sample_index}`), kv("seed", fmt(t.seed)), kv("tokens", `${data.tokens.ids.length} (${data.tokens.loss_mask.filter(x => x).length} sampled)`),
+    h("div", {}, h("span", { text: "group" }), t.group_id ? h("a", { href: `#/g/${encodeURIComponent(t.group_id)}`, id: "group-link", text: t.group_id }) : "n/a"));
+  const breakdown = Object.keys(t.reward_breakdown || {}).length
+    ? h("table", { id: "reward-breakdown" }, h("tbody", {}, Object.entries(t.reward_breakdown).map(([k, v]) => h("tr", {}, h("td", { text: k }), h("td", { class: "num", text: fmt(v) })))))
+    : null;
+  const header = h("div", { class: "panel" }, h("h2", { text: `Trajectory ${t.id}` }), meta,
+    err ? h("div", { class: "error-box", id: "episode-error" }, `error (${err.kind}, turn ${fmt(err.turn)}): `, err.message) : null,
+    breakdown ? h("h3", { text: "reward breakdown" }) : null, breakdown,
+    h("div", { class: "playback" }, h("button", { id: "check", onclick: () => runCheck(t.id) }, "Re-execute against env"),
+      h("span", { class: "muted", text: "replays the stored assistant messages on a fresh env and compares" })),
+    h("div", { id: "check-result" }));
+  const tabs = h("div", { class: "tabs" }, ["conversation", "tokens", "group"].map(name =>
+    h("button", { class: name === tab ? "active" : "", id: `tab-${name}`, onclick: () => { location.hash = `#/t/${encodeURIComponent(t.id)}?tab=${name}`; } }, name)));
+  let body;
+  if (tab === "tokens") body = tokenView(data);
+  else if (tab === "group") body = h("div", { id: "group-view" }, h("p", { class: "muted", text: "loading group…" }));
+  else body = conversationView(t);
+  setMain(header, tabs, body);
+  if (tab === "group") await fillGroup(document.getElementById("group-view"), t.group_id, t.id);
+}
+
+function kv(k, v) { return h("div", {}, h("span", { text: k }), v === null || v === undefined ? "n/a" : String(v)); }
+
+// conversation ------------------------------------------------------
+
+function conversationView(t) {
+  const turns = t.turns || [];
+  const wrap = h("div", { id: "conversation" });
+  let turn = -1;
+  let pending = null;  // a turn's sandbox output, shown after that turn's tool messages
+  const flush = () => { if (pending) { wrap.appendChild(pending); pending = null; } };
+  for (const m of t.messages) {
+    if (m.role === "assistant") { flush(); turn += 1; }
+    const card = h("div", { class: `msg ${m.role}`, dataset: { turn: String(turn), role: m.role } },
+      h("div", { class: "role" }, m.role, m.name ? ` · ${m.name}` : "", m.tool_call_id ? ` · answers ${m.tool_call_id}` : "",
+        m.role === "assistant" && turns[turn] ? h("span", { class: "badge", text: `turn ${turn} · reward ${fmt(turns[turn].reward)}` }) : null),
+      h("pre", { class: "content", text: m.content }));
+    for (const c of m.tool_calls || []) {
+      card.appendChild(h("div", { class: "toolcall" }, h("span", { class: "name", text: c.name }), " ",
+        h("span", { class: "muted", text: c.id }),
+        h("pre", { class: "code", text: JSON.stringify(c.arguments, null, 2) }),
+        c.error ? h("div", { class: "error-box", text: `parse error: ${c.error}` }) : null));
+    }
+    wrap.appendChild(card);
+    if (m.role === "assistant" && turns[turn]) {
+      const info = turns[turn].info || {};
+      const sandbox = findSandbox(info);
+      if (sandbox) {
+        pending = h("div", { class: "msg tool sandbox", dataset: { turn: String(turn), role: "sandbox" } },
+          h("div", { class: "role", text: `sandbox · exit ${fmt(sandbox.exit_code)}` }));
+        if (sandbox.stdout) pending.appendChild(h("div", {}, h("span", { class: "muted", text: "stdout" }), h("pre", { class: "code", text: sandbox.stdout })));
+        if (sandbox.stderr) pending.appendChild(h("div", {}, h("span", { class: "muted", text: "stderr" }), h("pre", { class: "code stderr", text: sandbox.stderr })));
+      }
+      if (Object.keys(info).length) {
+        card.appendChild(h("details", {}, h("summary", { class: "muted", text: "turn info" }), h("pre", { class: "code", text: JSON.stringify(info, null, 2) })));
+      }
+    }
+  }
+  flush();
+  const nTurns = Math.max(turn + 1, 0);
+  const label = h("span", { id: "play-label" });
+  const controls = h("div", { class: "playback panel" },
+    h("b", { text: "Playback" }),
+    h("button", { id: "play-first", onclick: () => setPlay(wrap, label, 0, nTurns) }, "|◀ start"),
+    h("button", { id: "play-prev", onclick: () => setPlay(wrap, label, Number(wrap.dataset.play) - 1, nTurns) }, "◀ prev turn"),
+    h("button", { id: "play-next", onclick: () => setPlay(wrap, label, Number(wrap.dataset.play) + 1, nTurns) }, "next turn ▶"),
+    h("button", { id: "play-auto", onclick: () => autoPlay(wrap, label, nTurns) }, "▶ play"),
+    h("button", { id: "play-all", onclick: () => setPlay(wrap, label, nTurns, nTurns) }, "show all"),
+    label);
+  const info = Object.keys(t.info || {}).filter(k => k !== "token_stats").length
+    ? h("details", { class: "panel" }, h("summary", { text: "trajectory info" }),
+      h("pre", { class: "code", text: JSON.stringify(Object.fromEntries(Object.entries(t.info).filter(([k]) => k !== "token_stats")), null, 2) }))
+    : null;
+  const out = h("div", {}, controls, wrap, info,
+    h("details", { class: "panel" }, h("summary", { text: "task" }), h("pre", { class: "code", text: JSON.stringify(t.task, null, 2) })));
+  setPlay(wrap, label, nTurns, nTurns);
+  return out;
+}
+
+function findSandbox(info) {
+  if (info.sandbox && typeof info.sandbox === "object") return info.sandbox;
+  if ("stdout" in info || "stderr" in info) return info;
+  return null;
+}
+
+function setPlay(wrap, label, k, n) {
+  k = Math.max(0, Math.min(k, n));
+  wrap.dataset.play = String(k);
+  // show the opening, then turns 0..k-1 with what followed them; `n` shows everything
+  for (const el of wrap.children) {
+    const turn = Number(el.dataset.turn);
+    el.classList.toggle("future", k < n && turn >= k);
+    el.classList.toggle("current", k < n && turn === k - 1);
+  }
+  label.textContent = k >= n ? `all ${n} turns` : `turn ${k} of ${n}`;
+}
+
+function autoPlay(wrap, label, n) {
+  stopPlayback();
+  setPlay(wrap, label, 0, n);
+  state.playTimer = setInterval(() => {
+    const k = Number(wrap.dataset.play) + 1;
+    setPlay(wrap, label, k, n);
+    if (k >= n) stopPlayback();
+  }, 900);
+}
+
+function stopPlayback() {
+  if (state.playTimer) { clearInterval(state.playTimer); state.playTimer = null; }
+}
+
+// re-execution ------------------------------------------------------
+
+async function runCheck(id) {
+  const out = document.getElementById("check-result");
+  const btn = document.getElementById("check");
+  btn.disabled = true;
+  out.replaceChildren(h("p", { class: "muted", text: "re-executing…" }));
+  try {
+    const r = await api(`/api/trajectories/${encodeURIComponent(id)}/check`, { method: "POST", headers: { "X-Agentrl-Request": "check" } });
+    const rows = (r.steps || []).map(s => h("details", { open: !s.ok },
+      h("summary", { class: s.ok ? "ok" : "fail", text: `${s.turn === null ? "reset" : `turn ${s.turn}`}: ${s.ok ? "reproduced" : "differs"}${s.note ? ` (${s.note})` : ""}${s.reward_replayed !== null && s.reward_replayed !== undefined ? ` · reward stored ${fmt(s.reward_stored)} / replayed ${fmt(s.reward_replayed)}` : ""}` }),
+      h("div", { class: "diff" },
+        h("div", {}, h("b", { text: "stored" }), h("pre", { class: "code", text: JSON.stringify(s.stored, null, 2) })),
+        h("div", {}, h("b", { text: "replayed" }), h("pre", { class: "code", text: JSON.stringify(s.replayed, null, 2) })))));
+    out.replaceChildren(h("div", { class: "panel check-report", id: "check-report" },
+      h("div", { class: r.ok ? "ok" : "fail", id: "check-verdict", text: r.ok ? "✔ reproduces: observations and reward match" : "✘ does not reproduce" }),
+      r.error ? h("div", { class: "error-box", text: r.error }) : null,
+      h("div", { text: `observations: ${r.observations_ok ? "match" : "differ"} · reward stored ${fmt(r.reward_stored)} / replayed ${fmt(r.reward_replayed)}` }),
+      rows));
+  } catch (err) {
+    out.replaceChildren(h("div", { class: "error-box", text: String(err.message || err) }));
+  } finally {
+    btn.disabled = false;
+  }
+}
+
+// tokens ------------------------------------------------------------
+
+const TOKEN_FIELDS = {
+  loss_mask: { label: "loss mask", key: "loss_mask" },
+  logprobs: { label: "behaviour logprob", key: "logprobs", masked: true },
+  trainer_logprobs: { label: "trainer logprob", key: "trainer_logprobs", masked: true },
+  is_weights: { label: "importance weight", key: "is_weights", masked: true },
+  is_mask: { label: "importance mask", key: "is_mask", masked: true },
+  advantages: { label: "advantage", key: "advantages", masked: true },
+  versions: { label: "policy version", key: "versions", masked: true },
+};
+
+function colourFor(field, v, tok) {
+  if (v === null || v === undefined) return null;
+  switch (field) {
+    case "loss_mask": return v ? "#cfe3ff" : "#f0f0f0";
+    case "logprobs": case "trainer_logprobs": {
+      const p = Math.exp(Math.max(v, -20));           // probability: red (low) → green (high)
+      return `hsl(${Math.round(p * 120)}, 70%, 80%)`;
+    }
+    case "is_weights": {
+      const x = Math.max(-1, Math.min(1, Math.log2(Math.max(v, 1e-6))));  // 0.5..2 → blue..white..red
+      return x >= 0 ? `hsl(0, 75%, ${100 - 30 * x}%)` : `hsl(220, 75%, ${100 + 30 * x}%)`;
+    }
+    case "is_mask": return v ? "#c9f0d6" : "#f6c4c4";
+    case "advantages": {
+      const m = tok.maxAbsAdv || 1, x = Math.max(-1, Math.min(1, v / m));
+      return x >= 0 ? `hsl(140, 60%, ${100 - 32 * x}%)` : `hsl(0, 70%, ${100 + 32 * x}%)`;
+    }
+    case "versions": return v < 0 ? null : `hsl(${(v * 67) % 360}, 65%, 82%)`;
+  }
+  return null;
+}
+
+function tokenView(data) {
+  const tok = data.tokens;
+  const n = tok.ids.length;
+  const advs = (tok.advantages || []).filter(x => x !== null).map(Math.abs);
+  tok.maxAbsAdv = advs.length ? Math.max(...advs) : 1;
+  const sel = h("select", { id: "colour-by", onchange: () => { state.tokenField = sel.value; paint(); } },
+    Object.entries(TOKEN_FIELDS).map(([k, f]) => h("option", { value: k, selected: k === state.tokenField },
+      f.label + (tok[f.key] ? "" : " (n/a)"))));
+  const legend = h("div", { class: "legend", id: "legend" });
+  const notice = h("div", { id: "token-notice", class: "muted" });
+  const box = h("div", { id: "tokens" });
+  const frag = document.createDocumentFragment();
+  for (let i = 0; i < n; i++) {
+    let text = tok.text ? tok.text[i] : `⟨${tok.ids[i]}⟩`;
+    const span = h("span", { class: "tok", dataset: { i: String(i) } });
+    if (text.includes("\n")) {
+      span.append(text.replace(/\n/g, "↵"));
+      frag.appendChild(span);
+      frag.appendChild(document.createTextNode("\n"));
+      continue;
+    }
+    span.textContent = text === "" ? "∅" : text;
+    frag.appendChild(span);
+  }
+  box.appendChild(frag);
+  box.addEventListener("mousemove", ev => {
+    const span = ev.target.closest ? ev.target.closest("span.tok") : null;
+    if (!span) { hideTooltip(); return; }
+    showTooltip(ev, tokenDetails(tok, Number(span.dataset.i)));
+  });
+  box.addEventListener("mouseleave", hideTooltip);
+  function paint() {
+    const f = TOKEN_FIELDS[state.tokenField];
+    const values = tok[f.key];
+    notice.textContent = values ? "" : `${f.label}: n/a for this trajectory (the trainer has not stored it; see info.token_stats)`;
+    const spans = box.querySelectorAll("span.tok");
+    for (const span of spans) {
+      const i = Number(span.dataset.i);
+      const outside = f.masked && !tok.loss_mask[i];
+      const v = values && !outside ? values[i] : null;
+      const c = colourFor(state.tokenField, v, tok);
+      span.style.background = c || "";
+      span.classList.toggle("na", !c);
+    }
+    legend.replaceChildren(...legendFor(state.tokenField));
+  }
+  const wrap = h("div", {}, h("div", { class: "token-controls panel" }, h("label", {}, "colour by ", sel), legend,
+    h("span", { class: "muted", text: `tokenizer: ${tok.tokenizer}` })), notice, box);
+  paint();
+  return wrap;
+}
+
+function legendFor(field) {
+  const sw = (c, label) => [h("span", { class: "swatch", style: `background:${c}` }), h("span", { text: label })];
+  switch (field) {
+    case "loss_mask": return [...sw("#cfe3ff", "1 (sampled: trained on)"), ...sw("#f0f0f0", "0 (prompt / env)")];
+    case "logprobs": case "trainer_logprobs": return [...sw("hsl(0,70%,80%)", "p≈0"), ...sw("hsl(60,70%,80%)", "p=0.5"), ...sw("hsl(120,70%,80%)", "p=1"), ...sw("#eeeeee", "n/a")];
+    case "is_weights": return [...sw("hsl(220,75%,70%)", "≤0.5"), ...sw("#ffffff", "1"), ...sw("hsl(0,75%,70%)", "≥2")];
+    case "is_mask": return [...sw("#c9f0d6", "kept"), ...sw("#f6c4c4", "masked out")];
+    case "advantages": return [...sw("hsl(0,70%,68%)", "negative"), ...sw("#ffffff", "0"), ...sw("hsl(140,60%,68%)", "positive")];
+    case "versions": return [h("span", { text: "one hue per policy version" })];
+  }
+  return [];
+}
+
+function tokenDetails(tok, i) {
+  const line = (k, v) => `${k.padEnd(17)} ${v}`;
+  const get = key => (tok[key] ? fmt(tok[key][i], 4) : "n/a");
+  const masked = tok.loss_mask[i] === 1;
+  return [
+    line("token", `#${i}  id ${tok.ids[i]}`),
+    line("text", tok.text ? JSON.stringify(tok.text[i]) : "n/a"),
+    line("loss mask", String(tok.loss_mask[i])),
+    line("turn", tok.turn[i] >= 0 ? String(tok.turn[i]) : "—"),
+    line("behaviour logprob", masked ? get("logprobs") : "n/a"),
+    line("trainer logprob", masked ? get("trainer_logprobs") : "n/a"),
+    line("importance weight", masked ? get("is_weights") : "n/a"),
+    line("importance mask", masked ? get("is_mask") : "n/a"),
+    line("advantage", masked ? get("advantages") : "n/a"),
+    line("policy version", masked ? String(tok.versions[i]) : "n/a"),
+  ].join("\n");
+}
+
+function showTooltip(ev, text) {
+  const tip = document.getElementById("tooltip");
+  tip.textContent = text;
+  tip.hidden = false;
+  const x = Math.min(ev.clientX + 14, window.innerWidth - tip.offsetWidth - 8);
+  const y = ev.clientY + 16 + tip.offsetHeight > window.innerHeight ? ev.clientY - tip.offsetHeight - 8 : ev.clientY + 16;
+  tip.style.left = `${x}px`;
+  tip.style.top = `${y}px`;
+}
+
+function hideTooltip() {
+  const tip = document.getElementById("tooltip");
+  if (tip) tip.hidden = true;
+}
+
+// group -------------------------------------------------------------
+
+async function showGroupPage(groupId) {
+  const box = h("div", { id: "group-view" });
+  setMain(h("h2", { text: `Group ${groupId}` }), box);
+  await fillGroup(box, groupId, null);
+}
+
+async function fillGroup(box, groupId, currentId) {
+  if (!groupId) { box.replaceChildren(h("p", { class: "muted", text: "This trajectory has no group." })); return; }
+  const data = await api(`/api/groups/${encodeURIComponent(groupId)}`);
+  const g = data.group || {};
+  const rewards = data.members.map(m => m.reward).filter(r => r !== null);
+  const mean = rewards.length ? rewards.reduce((a, b) => a + b, 0) / rewards.length : null;
+  const std = rewards.length ? Math.sqrt(rewards.reduce((a, b) => a + (b - mean) ** 2, 0) / rewards.length) : null;
+  const cards = data.members.map(m => {
+    const adv = m.advantage !== null && m.advantage !== undefined ? m.advantage
+      : (mean !== null && m.reward !== null ? (m.reward - mean) / ((std || 0) + 1e-6) : null);
+    const computed = m.advantage === null || m.advantage === undefined;
+    return h("div", { class: `sibling${m.id === currentId ? " current" : ""}`, dataset: { id: m.id } },
+      h("div", {}, h("b", { text: `sample ${m.sample_index}` }), " ", h("a", { href: `#/t/${encodeURIComponent(m.id)}`, text: m.id })),
+      h("div", {}, h("span", { class: `badge ${m.reward > 0 ? "good" : "bad"}`, text: `reward ${fmt(m.reward)}` }),
+        h("span", { class: "badge", title: computed ? "not stored: computed as (r - mean) / std over the group" : "stored by the trainer", text: `advantage ${fmt(adv)}${computed ? "*" : ""}` }),
+        m.error_class ? h("span", { class: "badge bad", text: m.error_class }) : null,
+        m.truncated ? h("span", { class: "badge warn", text: "truncated" }) : null),
+      h("div", { class: "muted", text: `${m.num_tokens} tokens · ${m.num_turns} turns · ${(m.tools || []).join(", ") || "no tools"}` }),
+      Object.keys(m.reward_breakdown || {}).length ? h("div", { class: "muted", text: Object.entries(m.reward_breakdown).map(([k, v]) => `${k}=${fmt(v)}`).join("  ") }) : null,
+      h("pre", { class: "content", text: m.final }));
+  });
+  box.replaceChildren(
+    h("div", { class: "panel" }, h("div", { class: "meta-grid" }, kv("task", g.task_id), kv("step", fmt(g.step)), kv("status", g.status),
+      kv("size", fmt(data.members.length)), kv("reward mean", fmt(mean)), kv("reward std", fmt(std))),
+      data.members.some(m => m.advantage === null || m.advantage === undefined)
+        ? h("p", { class: "muted", text: "* advantage not stored by the trainer: shown as the GRPO estimate (r − mean) / std." }) : null),
+    h("div", { class: "siblings", id: "siblings" }, cards));
+}
+
+// ------------------------------------------------------------------ start
+
+window.addEventListener("hashchange", route);
+window.addEventListener("DOMContentLoaded", async () => {
+  await refreshRun();
+  await route();
+  state.timer = setInterval(async () => {
+    const before = state.run ? state.run.count : null;
+    await refreshRun();
+    if (state.run && before !== null && state.run.count !== before && parseHash().parts[0] !== "t" && !state.playTimer) {
+      const { parts } = parseHash();
+      if (!parts.length || parts[0] === "overview") route();
+    }
+  }, 4000);
+});

@@ -1,0 +1,81 @@
+"""Per-step rollout metrics: a window of counters the manager fills and `take()` empties.
+
+Keys are flat `rollout/...` names (floats), ready for the store and loggers:
+episodes/s, sampled tokens/s, turns, tool calls per tool, errors by class,
+groups dropped by reason, retries, the staleness histogram of groups handed to
+the trainer, queue depth, in-flight episodes and the engine busy fraction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from agentrl.types import Group, Trajectory
+
+
+class RolloutMetrics:
+    """Counters since the last `take()`; cheap enough for every finished episode."""
+
+    def __init__(self, busy_seconds: Callable[[], float] | None = None) -> None:
+        self._busy_seconds = busy_seconds
+        self._reset()
+
+    def _reset(self) -> None:
+        self._t0 = time.monotonic()
+        self._busy0 = self._busy_seconds() if self._busy_seconds else 0.0
+        self.episodes = 0
+        self.tokens = 0
+        self.turns = 0
+        self.tool_calls: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.staleness: Counter[int] = Counter()
+        self.retries = 0
+        self.groups_out = 0
+        self.reward_sum = 0.0
+
+    def episode(self, traj: Trajectory) -> None:
+        self.episodes += 1
+        self.tokens += traj.num_sampled_tokens
+        self.turns += len(traj.turns)
+        for turn in traj.turns:
+            self.tool_calls.update(turn.tool_calls)
+        if traj.error is not None:
+            self.errors[traj.error.kind.value] += 1
+
+    def handed_over(self, group: Group, staleness: int) -> None:
+        self.groups_out += 1
+        self.staleness[staleness] += 1
+        self.reward_sum += sum(group.rewards) / max(1, len(group.trajectories))
+
+    def take(self, *, queue_depth: int, in_flight: int) -> dict[str, float]:
+        """The window's metrics; starts a new window."""
+        now = time.monotonic()
+        wall = max(now - self._t0, 1e-9)
+        out: dict[str, float] = {
+            "rollout/episodes": float(self.episodes),
+            "rollout/episodes_per_s": self.episodes / wall,
+            "rollout/tokens_per_s": self.tokens / wall,
+            "rollout/turns_mean": self.turns / self.episodes if self.episodes else 0.0,
+            "rollout/retries": float(self.retries),
+            "rollout/groups": float(self.groups_out),
+            "rollout/queue_depth": float(queue_depth),
+            "rollout/in_flight": float(in_flight),
+        }
+        if self._busy_seconds is not None:
+            out["rollout/engine_busy"] = min(1.0, (self._busy_seconds() - self._busy0) / wall)
+        for name, n in self.tool_calls.items():
+            out[f"rollout/tool_calls/{name}"] = float(n)
+        for kind, n in self.errors.items():
+            out[f"rollout/errors/{kind}"] = float(n)
+        for why, n in self.dropped.items():
+            out[f"rollout/dropped/{why}"] = float(n)
+        for lag, n in sorted(self.staleness.items()):
+            out[f"rollout/staleness/{lag}"] = float(n)
+        if self.groups_out:
+            out["rollout/reward_mean"] = self.reward_sum / self.groups_out
+            out["rollout/staleness_mean"] = sum(k * n for k, n in self.staleness.items()) / self.groups_out
+        self._reset()
+        return out

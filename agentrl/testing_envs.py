@@ -1,0 +1,59 @@
+"""Small real environments for tests, benchmarks and dry runs of the rollout loop.
+
+`TrivialEnv` answers every reply with a short user message and ends after a
+fixed number of turns (reward 1.0); an optional latency distribution per step
+models tool or sandbox time. It measures the rollout machinery, not a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from agentrl.engines.scripted import Distribution
+from agentrl.env import Env, EnvConfig, StepResult, Task
+from agentrl.types import Message
+
+
+class TrivialEnvConfig(EnvConfig):
+    turns: int = Field(default=4, ge=1, description="model turns per episode")
+    num_tasks: int = Field(default=64, ge=1)
+    step_latency_s: Distribution = Field(default_factory=Distribution, description="time one step takes")
+    seed: int = 0
+
+
+class TrivialEnv(Env):
+    """Replies "ok" to every turn; terminates after `turns` turns with reward 1.0."""
+
+    name: ClassVar[str] = "trivial"
+    description: ClassVar[str] = "a fixed number of turns, constant reward: for measuring the rollout loop"
+    Config = TrivialEnvConfig
+    config: TrivialEnvConfig
+
+    def __init__(self, config: TrivialEnvConfig | None = None) -> None:
+        super().__init__(config)
+        self._turn = 0
+        self._rng = random.Random(self.config.seed)
+        self._reply = [Message(role="user", content="ok")]
+
+    def tasks(self, split: str = "train") -> Iterable[Task]:
+        return ({"id": f"{split}-{i}", "prompt": f"task {i}"} for i in range(self.config.num_tasks))
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
+        self._turn = 0
+        if seed is not None:
+            self._rng.seed(seed)
+        return [Message(role="user", content=str(task.get("prompt", "go")))], {}
+
+    async def step(self, action: Message) -> StepResult:
+        latency = self.config.step_latency_s
+        if not latency.is_zero:
+            await asyncio.sleep(latency.sample(self._rng))
+        self._turn += 1
+        if self._turn >= self.config.turns:
+            return StepResult(messages=[], reward=1.0, terminated=True)
+        return StepResult(messages=self._reply)

@@ -1,0 +1,133 @@
+"""Build a run's parts from its config, and the small steps the loop delegates.
+
+`loop.py` stays one screen because everything that is "look up the plugin,
+construct it, hand it its own config" lives here. Torch-backed plugins (hf
+engine, torch trainer) are imported only when built.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.chat import ChatTokenizer, HFChatTokenizer
+from agentrl.config import RunConfig
+from agentrl.engines.base import InferenceEngine
+from agentrl.demonstrations import demonstration_sample
+from agentrl.engines.models import resolve_model
+from agentrl.env import Env, Task
+from agentrl.evaluation import evaluate
+from agentrl.metrics_log import MetricsLog
+from agentrl.store import TrajectoryStore
+from agentrl.types import Group, TrainSample
+
+
+@dataclass(slots=True)
+class Parts:
+    """The live objects of one run (built once, closed once)."""
+
+    env_factory: Callable[[], Env]
+    train_tasks: list[Task]
+    test_tasks: list[Task]
+    engine: InferenceEngine
+    tokenizer: ChatTokenizer
+    trainer: Any  # agentrl.trainers.torch_trainer.TorchTrainer (torch-backed; typed loosely here)
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+def build_parts(config: RunConfig) -> Parts:
+    """Construct env factory, tasks, tokenizer, trainer and engine from the config."""
+    plugins = config.registry()
+    model_path = resolve_model(config.model.path)
+
+    def env_factory() -> Env:
+        return plugins.create_env(config.env.name, config.env.params)
+
+    probe = env_factory()
+    train_tasks = list(probe.tasks("train"))
+    test_tasks = list(probe.tasks(config.run.eval_split))[: config.run.eval_tasks]
+    tokenizer = HFChatTokenizer.from_pretrained(model_path)
+
+    trainer_cls = plugins.registry("trainers").get(config.trainer.name)
+    trainer = trainer_cls(config.trainer.config or trainer_cls.Config(**config.trainer.params), model_path)
+
+    engine_cls = plugins.registry("engines").get(config.engine.name)
+    engine_params = {"model": model_path, "dtype": config.model.dtype} | config.engine.params
+    if "model" not in engine_cls.Config.model_fields:
+        engine_params.pop("model")
+        engine_params.pop("dtype")
+    engine = engine_cls.from_config(engine_cls.Config(**engine_params), tokenizer=tokenizer)
+    return Parts(env_factory, train_tasks, test_tasks, engine, tokenizer, trainer)
+
+
+def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, float]:
+    """Reward and staleness statistics of the batch just trained on."""
+    rewards = [t.reward for g in batch for t in g.trajectories]
+    stale = [
+        trainer_version - 1 - v
+        for g in batch
+        for t in g.trajectories
+        for v, m in zip(t.versions, t.loss_mask, strict=True)
+        if m
+    ]
+    out = {
+        "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
+        "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "batch/groups": float(len(batch)),
+        "batch/trajectories": float(len(rewards)),
+        "batch/sampled_tokens": float(sum(t.num_sampled_tokens for g in batch for t in g.trajectories)),
+    }
+    if stale:
+        out["staleness/mean"] = statistics.fmean(stale)
+        out["staleness/max"] = float(max(stale))
+    return out
+
+
+async def run_eval(config: RunConfig, parts: Parts, store: TrajectoryStore, *, step: int) -> dict[str, float]:
+    """Score the current policy on held-out tasks; store the episodes as status 'eval'."""
+    result = await evaluate(
+        parts.env_factory,
+        parts.test_tasks,
+        parts.engine,
+        parts.tokenizer,
+        config.rollout,
+        n_samples=config.run.eval_samples,
+        ks=sorted({1, config.run.eval_samples}),
+        seed=config.run.seed,
+    )
+    for traj in result.trajectories:
+        store.add_trajectory(traj, step=step, status="eval")
+    store.commit()
+    return result.metrics()
+
+
+async def warm_start(config: RunConfig, parts: Parts, store: TrajectoryStore, log: MetricsLog) -> None:
+    """Optional SFT before RL: on the env's demonstrations, or a past run's good episodes."""
+    ws = config.warm_start
+    if ws.steps == 0:
+        return
+    samples = _warm_start_samples(config, parts)
+    if not samples:
+        raise ValueError(f"warm_start.source={ws.source!r} gave no training samples")
+    for i in range(ws.steps):
+        batch = [samples[(i * ws.batch_size + j) % len(samples)] for j in range(ws.batch_size)]
+        metrics = parts.trainer.sft_step(batch)
+        log.write(-ws.steps + i, {f"sft/{k}": v for k, v in metrics.items()})
+    log.console.print(f"warm start: {ws.steps} SFT steps on {len(samples)} samples ({ws.source})")
+
+
+def _warm_start_samples(config: RunConfig, parts: Parts) -> list[TrainSample]:
+    ws = config.warm_start
+    if ws.source == "store":
+        old = TrajectoryStore(ws.store_path, readonly=True)
+        try:
+            return [r.trajectory.tokens() for r in old.iter_records() if r.trajectory.reward >= ws.min_reward]
+        finally:
+            old.close()
+    env = parts.env_factory()
+    tools = [t.schema() for t in env.tools] or None
+    return [demonstration_sample(parts.tokenizer, demo, tools=tools) for demo in env.demonstrations()]

@@ -1,0 +1,249 @@
+"""``docker`` backend: a warm pool of locked-down containers (Python Docker SDK).
+
+Each container: network disabled, memory/pids/CPU limits, read-only root,
+tmpfs ``/work`` and ``/tmp``, all capabilities dropped, ``no-new-privileges``,
+uid 65534, docker's init as PID 1 (reaps orphans), ``sleep infinity`` to stay
+up. A request is one ``docker exec`` of ``timeout -s KILL`` around the same
+fork server the local backend uses (mode ``tree``): it writes the files, runs
+the code with rlimits, caps output, then kills everything the request left and
+wipes ``/work`` and ``/tmp``. The request travels on the exec's stdin (``docker
+cp`` cannot write into a tmpfs). A container is replaced after a timeout, an
+OOM, a sandbox error or ``max_uses`` requests.
+
+Images are never pulled: build the default one with ``agentrl sandbox build-image``.
+The SDK is synchronous; every call runs in a worker thread under a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.sandboxes.base import BaseSandbox, ExecRequest, ExecResult, LimitConfig, sandbox_error
+from agentrl.sandboxes.local import SANDBOX_ENV, server_message, server_result
+
+_SERVER_SRC = Path(__file__).with_name("_forkserver.py").read_text()
+_HDR = struct.Struct(">I")
+_ids = itertools.count()
+
+
+class DockerConfig(BaseModel):
+    """Settings of the ``docker`` backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: str = "agentrl/python:3.11"
+    #: Daemon address; default: $DOCKER_HOST, else the standard socket.
+    base_url: str | None = None
+    pool_size: int = Field(default=2, ge=1, le=256)
+    max_queue: int = Field(default=10_000, ge=0)
+    queue_timeout_s: float = Field(default=600.0, gt=0)
+    max_uses: int = Field(default=200, ge=1)
+    #: Container-wide limits (a request's own memory/CPU/process limits apply inside them).
+    memory_mb: int = Field(default=1024, ge=64)
+    pids_limit: int = Field(default=256, ge=8)
+    cpus: float = Field(default=1.0, gt=0)
+    tmpfs_mb: int = Field(default=256, ge=1)
+    user: str = "65534:65534"
+    python: str = "python3"
+    api_timeout_s: float = Field(default=60.0, gt=0)
+    #: Slack beyond ``wall_timeout_s`` for the exec round trip.
+    backstop_s: float = Field(default=10.0, gt=0)
+    label: str = "org.agentrl.sandbox"
+
+
+class SupervisorKilled(Exception):
+    """The in-container fork server died of SIGKILL before answering."""
+
+
+def _demux(data: bytes) -> tuple[bytes, bytes]:
+    """Split docker's multiplexed attach stream (8-byte frame headers) into stdout/stderr."""
+    out, err, i = bytearray(), bytearray(), 0
+    while i + 8 <= len(data):
+        kind, size = data[i], struct.unpack(">I", data[i + 4:i + 8])[0]
+        (out if kind == 1 else err).extend(data[i + 8:i + 8 + size])
+        i += 8 + size
+    return bytes(out), bytes(err)
+
+
+class DockerSandbox(BaseSandbox):
+    """``docker`` backend: see the module docstring. Use as an async context manager."""
+
+    Config = DockerConfig
+
+    def __init__(self, config: DockerConfig | None = None) -> None:
+        self.config = config or DockerConfig()
+        super().__init__(LimitConfig(max_concurrency=self.config.pool_size, max_queue=self.config.max_queue,
+                                     queue_timeout_s=self.config.queue_timeout_s))
+        import docker  # lazy: only this backend needs the SDK
+
+        kwargs: dict[str, Any] = {"timeout": int(self.config.api_timeout_s)}
+        base_url = self.config.base_url or os.environ.get("DOCKER_HOST")
+        self.client = docker.DockerClient(base_url=base_url, **kwargs) if base_url else docker.from_env(**kwargs)
+        self._idle: asyncio.Queue[Any | None] = asyncio.Queue()
+        for _ in range(self.config.pool_size):
+            self._idle.put_nowait(None)
+        self._uses: dict[str, int] = {}
+        self._all: dict[str, Any] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_config(cls, config: DockerConfig | dict[str, Any] | None = None) -> DockerSandbox:
+        return cls(config if isinstance(config, DockerConfig) else DockerConfig(**(config or {})))
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        async with asyncio.timeout(self.config.api_timeout_s):
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+    def _create_sync(self) -> Any:
+        c = self.config
+        tmpfs_opts = f"rw,nosuid,nodev,size={c.tmpfs_mb}m,uid=65534,gid=65534,mode=1777"
+        container = self.client.containers.run(
+            c.image,
+            ["sleep", "infinity"],
+            name=f"agentrl-sbx-{os.getpid()}-{next(_ids)}-{int(time.time() * 1000) % 100000}",
+            detach=True,
+            init=True,
+            network_disabled=True,
+            network_mode="none",
+            mem_limit=f"{c.memory_mb}m",
+            memswap_limit=f"{c.memory_mb}m",
+            pids_limit=c.pids_limit,
+            nano_cpus=int(c.cpus * 1e9),
+            read_only=True,
+            tmpfs={"/work": tmpfs_opts, "/tmp": tmpfs_opts},
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            user=c.user,
+            working_dir="/work",
+            environment={},
+            labels={c.label: str(os.getpid())},
+            auto_remove=False,
+        )
+        return container
+
+    async def _new_container(self) -> Any:
+        container = await self._call(self._create_sync)
+        self._all[container.id] = container
+        self._uses[container.id] = 0
+        return container
+
+    async def start(self) -> None:
+        """Create the whole pool now instead of on first use."""
+        slots = [self._idle.get_nowait() for _ in range(self._idle.qsize())]
+        made = await asyncio.gather(*(self._new_container() for s in slots if s is None), return_exceptions=True)
+        kept = [s for s in slots if s is not None]
+        for c in [*kept, *made]:
+            self._idle.put_nowait(c if not isinstance(c, BaseException) else None)
+        errors = [c for c in made if isinstance(c, BaseException)]
+        if errors:
+            raise RuntimeError(f"could not start the docker sandbox pool: {errors[0]}") from errors[0]
+
+    async def __aenter__(self) -> DockerSandbox:
+        await self.start()
+        return self
+
+    def _exec_sync(self, container_id: str, argv: list[str], payload: bytes, deadline_s: float) -> tuple[bytes, int]:
+        api = self.client.api
+        exec_id = api.exec_create(container_id, argv, stdin=True, stdout=True, stderr=True,
+                                  user=self.config.user, workdir="/work", environment={})["Id"]
+        sock = api.exec_start(exec_id, socket=True)
+        raw: socket.socket = getattr(sock, "_sock", sock)
+        try:
+            raw.settimeout(deadline_s)
+            raw.sendall(payload)
+            raw.shutdown(socket.SHUT_WR)
+            chunks = []
+            while True:
+                b = raw.recv(1 << 16)
+                if not b:
+                    break
+                chunks.append(b)
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+        out, err = _demux(b"".join(chunks))
+        code = api.exec_inspect(exec_id).get("ExitCode")
+        hello = 4 + _HDR.unpack(out[:4])[0] if len(out) >= 4 else 0
+        responded = hello and len(out) >= hello + 4
+        if code == 137 and not responded:
+            raise SupervisorKilled()
+        if code != 0 or not responded:
+            raise RuntimeError(f"exec exited {code}: {err[-2000:].decode(errors='replace')}")
+        return out, code
+
+    async def _execute(self, request: ExecRequest) -> ExecResult:
+        if request.network:
+            return sandbox_error("network access was requested but docker sandboxes run with network disabled")
+        async with asyncio.timeout(self.config.queue_timeout_s):
+            container = await self._idle.get()
+        healthy = False
+        t0 = time.perf_counter()
+        try:
+            if container is None:
+                container = await self._new_container()
+            self._uses[container.id] += 1
+            wall = request.wall_timeout_s
+            argv = ["timeout", "-s", "KILL", f"{wall + 2:.3f}",
+                    self.config.python, "-I", "-S", "-c", _SERVER_SRC, "tree", "/work", "/tmp"]
+            env = {**SANDBOX_ENV}
+            payload = server_message(request, env, 0)
+            try:
+                async with asyncio.timeout(wall + self.config.backstop_s):
+                    out, _ = await asyncio.to_thread(self._exec_sync, container.id, argv, payload,
+                                                     wall + self.config.backstop_s)
+            except TimeoutError:
+                return ExecResult(status="timeout", wall_s=time.perf_counter() - t0,
+                                  message="container did not answer in time; replaced")
+            except SupervisorKilled:
+                wall_s = time.perf_counter() - t0
+                if wall_s >= wall:
+                    return ExecResult(status="timeout", wall_s=wall_s, message="killed by `timeout -s KILL`")
+                # Before the deadline only the code (or the kernel's OOM killer) kills the supervisor.
+                return ExecResult(status="error", exit_code=137, wall_s=wall_s,
+                                  message="the sandbox supervisor was killed (did the code signal its parent?); "
+                                          "container replaced")
+            except Exception as e:
+                return sandbox_error(f"docker exec failed: {e}", wall_s=time.perf_counter() - t0)
+            hello_len = _HDR.unpack(out[:4])[0]
+            rest = out[4 + hello_len:]
+            res = json.loads(rest[4:4 + _HDR.unpack(rest[:4])[0]])
+            result = server_result(res, request, time.perf_counter() - t0)
+            healthy = result.status in ("ok", "error", "output_limit") and "dirty" not in res
+            return result
+        finally:
+            if container is not None and healthy and self._uses[container.id] < self.config.max_uses:
+                self._idle.put_nowait(container)
+            else:
+                self._idle.put_nowait(None)
+                if container is not None:
+                    self._retire(container)
+
+    def _retire(self, container: Any) -> None:
+        self._all.pop(container.id, None)
+        self._uses.pop(container.id, None)
+        task = asyncio.get_running_loop().create_task(self._remove(container))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _remove(self, container: Any) -> None:
+        with contextlib.suppress(Exception):
+            await self._call(container.remove, force=True)
+
+    async def close(self) -> None:
+        await super().close()
+        await asyncio.gather(*(self._remove(c) for c in list(self._all.values())), *self._closing,
+                             return_exceptions=True)
+        self._all.clear()
+        with contextlib.suppress(Exception):
+            self.client.close()

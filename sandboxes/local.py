@@ -1,0 +1,456 @@
+"""The default backend: bubblewrap sandboxes with a warm fork-server pool.
+
+Each pool worker is one ``bwrap`` process with every namespace unshared (user,
+pid, net, ipc, uts, mount, cgroup), no network (only ``lo`` exists inside),
+read-only ``/usr``, fresh tmpfs ``/work`` and ``/tmp``, a clean environment,
+running as uid 65534 (both inside and, when we are root, on the host). Inside
+it, :mod:`agentrl.sandboxes._forkserver` is PID 1 and forks one fresh process
+per request with rlimits (CPU, address space, file size, processes), then kills
+everything the request left and wipes the writable directories. Where cgroups
+are writable, each worker also gets a memory and a pids cgroup.
+
+The host keeps a wall-clock backstop: a worker that does not answer in time
+is killed (its PID namespace dies with its init) and replaced.
+
+``mode: fresh`` runs one new bwrap per request instead (slower; it is what a
+request with ``network: true`` gets when ``allow_network`` is set).
+Without bubblewrap the backend refuses to start unless ``unsafe_local: true``:
+then the same fork server runs directly on the host with rlimits only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.sandboxes.base import BaseSandbox, ExecRequest, ExecResult, LimitConfig, decode_capped, sandbox_error
+
+log = logging.getLogger(__name__)
+_HDR = struct.Struct(">I")
+_FORKSERVER = Path(__file__).with_name("_forkserver.py")
+_ids = itertools.count()
+
+SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/work",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class LocalConfig(BaseModel):
+    """Settings of the ``local`` backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["pool", "fresh"] = "pool"
+    pool_size: int = Field(default=2, ge=1, le=256)
+    max_queue: int = Field(default=10_000, ge=0)
+    queue_timeout_s: float = Field(default=600.0, gt=0)
+    #: Replace a worker after this many requests (bounds any slow leak in the server).
+    max_uses: int = Field(default=10_000, ge=1)
+    unsafe_local: bool = False
+    allow_network: bool = False
+    bwrap: str = "bwrap"
+    python: str = "/usr/bin/python3"
+    uid: int = 65534
+    gid: int = 65534
+    #: Extra host paths bound read-only at the same place (e.g. a venv for user code).
+    ro_binds: list[str] = Field(default_factory=list)
+    tmpfs_mb: int = Field(default=256, ge=1)
+    cgroups: Literal["auto", "off"] = "auto"
+    #: Memory the fork server itself may use on top of a request's ``memory_mb``.
+    server_overhead_mb: int = Field(default=64, ge=0)
+    startup_timeout_s: float = Field(default=15.0, gt=0)
+    #: Slack beyond ``wall_timeout_s`` before the host kills an unresponsive worker.
+    backstop_s: float = Field(default=5.0, gt=0)
+
+
+class Cgroups:
+    """A memory + pids cgroup (v1 or v2) for one worker; a no-op where not writable."""
+
+    def __init__(self, name: str | None) -> None:
+        self.dirs: dict[str, Path] = {}
+        self._values: dict[str, int] = {}
+        if name is None:
+            return
+        root = Path("/sys/fs/cgroup")
+        try:
+            own = Path("/proc/self/cgroup").read_text().splitlines()
+        except OSError:
+            return
+        if (root / "cgroup.controllers").exists():  # v2: one hierarchy
+            path = next((ln.split(":", 2)[2] for ln in own if ln.startswith("0::")), "/")
+            self._make("v2", root / path.lstrip("/") / name)
+            return
+        for line in own:
+            _, ctrls, path = line.split(":", 2)
+            for ctrl in ("memory", "pids"):
+                if ctrl in ctrls.split(","):
+                    parent = root / ctrl / path.lstrip("/")
+                    self._make(ctrl, (parent if parent.is_dir() else root / ctrl) / name)
+
+    def _make(self, key: str, path: Path) -> None:
+        try:
+            path.mkdir()
+            self.dirs[key] = path
+        except OSError:
+            pass
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+
+    def set_limits(self, memory_bytes: int, pids: int) -> None:
+        """Write limits (only when they change: each write is a syscall)."""
+        writes = {
+            "memory": ("memory.limit_in_bytes", memory_bytes),
+            "pids": ("pids.max", pids),
+            "v2": ("memory.max", memory_bytes),
+            "v2pids": ("pids.max", pids),
+        }
+        for key, (fname, value) in writes.items():
+            d = self.dirs.get(key.removesuffix("pids") if key == "v2pids" else key)
+            if d is None or self._values.get(key) == value:
+                continue
+            try:
+                (d / fname).write_text(str(value))
+                self._values[key] = value
+            except OSError:
+                self._values[key] = value  # not allowed here: do not retry every request
+
+    def remove(self) -> None:
+        for d in self.dirs.values():
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+        self.dirs.clear()
+
+
+def _preexec(procs_files: list[str], uid: int | None, gid: int | None) -> Any:
+    def run() -> None:
+        os.setsid()
+        for f in procs_files:
+            with contextlib.suppress(OSError), open(f, "w") as fh:
+                fh.write(str(os.getpid()))
+        if uid is not None and gid is not None:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+
+    return run
+
+
+class Worker:
+    """One sandbox process running the fork server; serves one request at a time."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, cgroups: Cgroups, workdir: Path | None) -> None:
+        self.proc = proc
+        self.cgroups = cgroups
+        self.workdir = workdir  # only in unsafe mode (a host temp dir)
+        self.uses = 0
+        self.healthy = True
+
+    @classmethod
+    async def start(cls, config: LocalConfig, server_path: Path, *, network: bool = False) -> Worker:
+        cgroups = Cgroups(f"agentrl-sbx-{os.getpid()}-{next(_ids)}" if config.cgroups == "auto" else None)
+        as_root = os.geteuid() == 0
+        workdir: Path | None = None
+        if config.unsafe_local:
+            workdir = Path(tempfile.mkdtemp(prefix="agentrl-unsafe-"))
+            scratch = Path(tempfile.mkdtemp(prefix="agentrl-unsafe-tmp-"))
+            if as_root:
+                for p in (workdir, scratch):
+                    os.chown(p, config.uid, config.gid)
+            argv = [config.python, "-I", "-S", str(server_path), "tree", str(workdir), str(scratch)]
+            env = {**SANDBOX_ENV, "HOME": str(workdir), "TMPDIR": str(scratch)}
+        else:
+            argv = [config.bwrap, *bwrap_args(config, server_path, network=network),
+                    config.python, "-I", "-S", "/.agentrl/forkserver.py", "ns", "/work", "/tmp", "/dev/shm"]
+            env = {}
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            preexec_fn=_preexec(cgroups.procs_files, config.uid if as_root else None, config.gid if as_root else None),
+        )
+        worker = cls(proc, cgroups, workdir)
+        if workdir is not None:
+            worker.env = {**SANDBOX_ENV, "HOME": str(workdir), "TMPDIR": env["TMPDIR"]}
+            worker.scratch = Path(env["TMPDIR"])
+        try:
+            async with asyncio.timeout(config.startup_timeout_s):
+                hello = await worker._recv()
+            if not hello.get("ready"):
+                raise RuntimeError(f"unexpected hello {hello!r}")
+        except Exception as e:
+            err = b""
+            with contextlib.suppress(Exception):
+                worker.kill()
+                assert proc.stderr is not None
+                err = await asyncio.wait_for(proc.stderr.read(4000), 2)
+            await worker.close()
+            raise RuntimeError(f"sandbox worker failed to start ({type(e).__name__}: {e}): {err.decode(errors='replace')}") from e
+        return worker
+
+    env: dict[str, str] = SANDBOX_ENV
+    scratch: Path | None = None
+
+    async def _recv(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        n = _HDR.unpack(await self.proc.stdout.readexactly(4))[0]
+        result: dict[str, Any] = json.loads(await self.proc.stdout.readexactly(n))
+        return result
+
+    async def execute(self, request: ExecRequest, config: LocalConfig) -> ExecResult:
+        """Send one request; the caller must hold this worker exclusively."""
+        self.uses += 1
+        t0 = time.perf_counter()
+        nproc = request.max_processes + 4
+        self.cgroups.set_limits((request.memory_mb + config.server_overhead_mb) << 20, nproc)
+        nproc_rlimit = 0 if config.unsafe_local else request.max_processes + 8 * config.pool_size + 16
+        data = server_message(request, self.env, nproc_rlimit)
+        assert self.proc.stdin is not None
+        try:
+            async with asyncio.timeout(request.wall_timeout_s + config.backstop_s):
+                self.proc.stdin.write(data)
+                await self.proc.stdin.drain()
+                res = await self._recv()
+        except TimeoutError:
+            self.healthy = False
+            self.kill()
+            return ExecResult(status="timeout", wall_s=time.perf_counter() - t0,
+                              message="worker did not answer in time; killed and replaced")
+        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError) as e:
+            self.healthy = False
+            self.kill()
+            return sandbox_error(f"sandbox worker died: {type(e).__name__}", wall_s=time.perf_counter() - t0)
+        if "dirty" in res or res.get("status") == "sandbox_error":
+            self.healthy = False
+        return server_result(res, request, time.perf_counter() - t0)
+
+    def kill(self) -> None:
+        """Kill the worker; its PID namespace (everything in it) dies with it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    async def close(self) -> None:
+        if self.proc.returncode is None:
+            if self.proc.stdin is not None:
+                with contextlib.suppress(Exception):
+                    self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 2.0)
+            except TimeoutError:
+                pass
+            self.kill()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.proc.wait(), 5.0)
+        self.cgroups.remove()
+        for d in (self.workdir, self.scratch):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def server_message(request: ExecRequest, env: dict[str, str], nproc_rlimit: int) -> bytes:
+    """One framed request for the fork server.
+
+    ``nproc_rlimit`` (0 = none): RLIMIT_NPROC counts per host uid, shared by all
+    workers, so it is only a loose cap; the pids cgroup and the PID namespace
+    are what really hold a fork bomb.
+    """
+    msg = {
+        "files": {k: base64.b64encode(v).decode() for k, v in request.all_files().items()},
+        "fetch_files": request.fetch_files,
+        "stdin": base64.b64encode(request.stdin_bytes()).decode(),
+        "wall": request.wall_timeout_s,
+        "cpu": request.cpu_limit_s,
+        "mem": request.memory_mb << 20,
+        "nproc": nproc_rlimit,
+        "max_out": request.max_output_bytes,
+        "max_file": request.max_file_bytes,
+        "env": env,
+        "argv": request.argv or None,
+        "language": request.language,
+        "main": request.main_file(),
+    }
+    data = json.dumps(msg).encode()
+    return _HDR.pack(len(data)) + data
+
+
+def server_result(res: dict[str, Any], request: ExecRequest, wall_s: float) -> ExecResult:
+    """Turn a fork-server reply into an :class:`ExecResult`."""
+    if res.get("status") == "sandbox_error" or "stdout" not in res:
+        return sandbox_error(res.get("message", "") or res.get("dirty", "") or "fork server failed", wall_s=wall_s)
+    stdout, out_cut = decode_capped(base64.b64decode(res["stdout"]), request.max_output_bytes)
+    stderr, err_cut = decode_capped(base64.b64decode(res["stderr"]), request.max_output_bytes)
+    status = res["status"]
+    message = {"timeout": "wall or CPU time limit exceeded", "oom": "memory limit exceeded",
+               "output_limit": f"output exceeded {request.max_output_bytes} bytes"}.get(status, "")
+    if res.get("signal"):
+        message = (message + f" (killed by signal {res['signal']})").strip()
+    return ExecResult(
+        status=status,
+        exit_code=res["exit_code"],
+        stdout=stdout,
+        stderr=stderr,
+        stdout_truncated=res["stdout_truncated"] or out_cut,
+        stderr_truncated=res["stderr_truncated"] or err_cut,
+        wall_s=res["wall"],
+        cpu_s=res["cpu"],
+        files={k: base64.b64decode(v) for k, v in res["files"].items()},
+        message=message,
+    )
+
+
+def bwrap_args(config: LocalConfig, server_path: Path, *, network: bool = False) -> list[str]:
+    """The bubblewrap command line of one worker (everything unshared, ro system dirs)."""
+    args = [
+        "--unshare-all", *(["--share-net"] if network else []),
+        "--die-with-parent", "--new-session", "--as-pid-1", "--clearenv",
+        "--uid", str(config.uid), "--gid", str(config.gid), "--hostname", "sandbox",
+        "--ro-bind", "/usr", "/usr",
+        "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+        "--symlink", "usr/bin", "/bin", "--symlink", "usr/sbin", "/sbin",
+        "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
+        "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", str(config.tmpfs_mb << 20), "--tmpfs", "/tmp",
+        "--size", str(config.tmpfs_mb << 20), "--tmpfs", "/work",
+        "--size", str(config.tmpfs_mb << 20), "--tmpfs", "/dev/shm",
+        "--ro-bind", str(server_path), "/.agentrl/forkserver.py",
+        "--remount-ro", "/",
+    ]
+    if network:
+        args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf",
+                 "--ro-bind-try", "/etc/hosts", "/etc/hosts"]
+    for path in config.ro_binds:
+        args += ["--ro-bind", path, path]
+    return [*args, "--chdir", "/work"]
+
+
+class LocalSandbox(BaseSandbox):
+    """``local`` backend: see the module docstring. Use as an async context manager."""
+
+    Config = LocalConfig
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        self.config = config or LocalConfig()
+        super().__init__(LimitConfig(max_concurrency=self.config.pool_size, max_queue=self.config.max_queue,
+                                     queue_timeout_s=self.config.queue_timeout_s))
+        if self.config.unsafe_local:
+            log.warning(
+                "UNSAFE LOCAL SANDBOX: running model-written code WITHOUT bubblewrap isolation "
+                "(rlimits only; it can read your files, use the network and signal your processes). "
+                "Never use unsafe_local: true on a machine you care about."
+            )
+        elif shutil.which(self.config.bwrap) is None:
+            raise RuntimeError(
+                f"the local sandbox needs bubblewrap ({self.config.bwrap!r} not found on PATH): "
+                "install it (`apt-get install bubblewrap`), use another backend (docker, e2b, sandboxfusion), "
+                "or set `unsafe_local: true` to run code without isolation (dangerous)"
+            )
+        # A private, world-readable copy of the server: uid 65534 must be able to read it.
+        self._dir = Path(tempfile.mkdtemp(prefix="agentrl-sbx-"))
+        self._dir.chmod(0o755)
+        self._server = self._dir / "forkserver.py"
+        shutil.copyfile(_FORKSERVER, self._server)
+        self._server.chmod(0o644)
+        self._idle: asyncio.Queue[Worker | None] = asyncio.Queue()
+        for _ in range(self.config.pool_size if self.config.mode == "pool" else 0):
+            self._idle.put_nowait(None)
+        self._busy: set[Worker] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_config(cls, config: LocalConfig | dict[str, Any] | None = None) -> LocalSandbox:
+        return cls(config if isinstance(config, LocalConfig) else LocalConfig(**(config or {})))
+
+    async def start(self) -> None:
+        """Start every pool worker now instead of on first use."""
+        workers = []
+        for _ in range(self._idle.qsize()):
+            workers.append(self._idle.get_nowait())
+        started = await asyncio.gather(*(w if w else Worker.start(self.config, self._server) for w in workers),
+                                       return_exceptions=True)
+        for w in started:
+            self._idle.put_nowait(w if isinstance(w, Worker) else None)
+        errors = [w for w in started if isinstance(w, BaseException)]
+        if errors:
+            raise RuntimeError(f"could not start the sandbox pool: {errors[0]}") from errors[0]
+
+    async def __aenter__(self) -> LocalSandbox:
+        await self.start()
+        return self
+
+    def workers(self) -> list[Worker]:
+        """Live workers (for health checks and tests)."""
+        idle = [w for w in self._idle._queue if w is not None]  # type: ignore[attr-defined]
+        return idle + list(self._busy)
+
+    async def _execute(self, request: ExecRequest) -> ExecResult:
+        if request.network and not self.config.allow_network:
+            return sandbox_error("network access was requested but this local sandbox has allow_network: false")
+        if self.config.mode == "fresh" or request.network:
+            worker = await Worker.start(self.config, self._server, network=request.network)
+            try:
+                return await worker.execute(request, self.config)
+            finally:
+                await worker.close()
+        async with asyncio.timeout(self.config.queue_timeout_s):
+            slot = await self._idle.get()
+        worker = slot
+        try:
+            if worker is None or worker.proc.returncode is not None:
+                worker = await Worker.start(self.config, self._server)
+            self._busy.add(worker)
+            result = await worker.execute(request, self.config)
+        except BaseException:
+            if worker is not None:
+                worker.healthy = False
+            raise
+        finally:
+            if worker is not None:
+                self._busy.discard(worker)
+                if worker.healthy and worker.uses < self.config.max_uses and worker.proc.returncode is None:
+                    self._idle.put_nowait(worker)
+                else:
+                    self._idle.put_nowait(None)
+                    worker.kill()
+                    task = asyncio.get_running_loop().create_task(worker.close())
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+            else:
+                self._idle.put_nowait(None)
+        return result
+
+    async def close(self) -> None:
+        await super().close()
+        workers = self.workers()
+        await asyncio.gather(*(w.close() for w in workers), *self._closing, return_exceptions=True)
+        shutil.rmtree(self._dir, ignore_errors=True)

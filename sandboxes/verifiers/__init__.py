@@ -1,0 +1,1 @@
+"""Verifiers: rewards that check answers (math) or run code (code) in a sandbox."""

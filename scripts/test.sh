@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up everything the test suite needs (system packages, services, venv) and
+# run lint, type checks and the whole test suite. This is what CI runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --system
+# shellcheck disable=SC1091
+. .venv/bin/activate
+if [ -f .ci/services.env ]; then
+  # written by .ci/setup_system.sh: DOCKER_HOST etc.
+  set -a; . .ci/services.env; set +a
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+echo "== ruff"; ruff check .
+echo "== mypy"; mypy
+echo "== pytest"; python -m pytest -q -ra --durations=25 "$@"

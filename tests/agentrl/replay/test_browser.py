@@ -1,0 +1,259 @@
+"""The replay single-page app in a real browser (Debian Chromium driven by Playwright).
+
+Needs `.ci/setup_browser.sh` (apt chromium). Screenshots go to the test's tmp
+dir; with AGENTRL_UPDATE_SCREENSHOTS=1 they are also copied to docs/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentrl.replay.server import serve, settings_for_bind
+from agentrl.store import STORE_FILENAME, TrajectoryFilter, TrajectoryStore
+
+expect: Any = pytest.importorskip("playwright.sync_api").expect
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+DOCS = Path(__file__).resolve().parents[3] / "docs"
+
+
+@pytest.fixture(scope="module")
+def server(replay_run: Path, mul_plugin_dir: Path) -> Iterator[str]:
+    """The real server (as `agentrl replay` runs it) in a thread; yields its URL."""
+    settings = settings_for_bind(replay_run / STORE_FILENAME, "127.0.0.1", 0)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    ready = threading.Event()
+    urls: list[str] = []
+    cwd = os.getcwd()
+    os.chdir(mul_plugin_dir)  # re-execution imports the run's plugin module from the cwd
+
+    def on_ready(url: str) -> None:
+        urls.append(url)
+        ready.set()
+
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(serve(settings, "127.0.0.1", 0, on_ready=on_ready, stop=stop)),
+        daemon=True,
+    )
+    thread.start()
+    try:
+        assert ready.wait(30), "server did not start"
+        yield urls[0].rstrip("/")
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is not installed: run .ci/setup_browser.sh")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 820})
+    pg = context.new_page()
+    pg.dialogs = []  # type: ignore[attr-defined]
+    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))  # type: ignore[attr-defined]
+    pg.console_errors = []  # type: ignore[attr-defined]
+    pg.on("console", lambda m: pg.console_errors.append(m.text) if m.type == "error" else None)  # type: ignore[attr-defined]
+    pg.on("pageerror", lambda e: pg.console_errors.append(str(e)))  # type: ignore[attr-defined]
+    yield pg
+    context.close()
+
+
+def shot(page: Any, tmp_path: Path, name: str) -> None:
+    path = tmp_path / f"replay-{name}.png"
+    page.screenshot(path=str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    if os.environ.get("AGENTRL_UPDATE_SCREENSHOTS") == "1":
+        DOCS.mkdir(exist_ok=True)
+        shutil.copy(path, DOCS / path.name)
+
+
+def test_overview_list_filter_and_open(server: str, page: Any, replay_run: Path, tmp_path: Path) -> None:
+    page.goto(server + "/")
+    page.wait_for_selector("#charts .chart svg path.line")
+    assert page.locator("#run-name").text_content() == "replay-test"
+    titles = page.locator(".chart h3").all_text_contents()
+    assert "reward (mean, min–max band)" in titles and "loss/policy" in titles
+    shot(page, tmp_path, "overview")
+
+    page.click("#nav-list")
+    page.wait_for_selector("#traj-table tbody tr")
+    assert page.locator("#traj-table tbody tr").count() == 50
+    with TrajectoryStore(replay_run, readonly=True) as store:
+        total = store.count()
+        n_python = store.count(TrajectoryFilter(env="python_sandbox", reward_min=1.0))
+        zero = store.count(TrajectoryFilter(search="ZeroDivisionError"))
+    assert page.locator("#match-count").text_content() == f"{total} matching"
+
+    page.select_option("select[name=env]", "python_sandbox")
+    page.fill("input[name=reward_min]", "1")
+    page.click("#apply")
+    expect(page.locator("#match-count")).to_have_text(f"{n_python} matching")
+    envs = page.locator("#traj-table tbody tr td:nth-child(3)").all_text_contents()
+    rewards = [float(x) for x in page.locator("#traj-table tbody tr td.reward").all_text_contents()]
+    assert envs and set(envs) == {"python_sandbox"} and min(rewards) >= 1.0
+    assert "env=python_sandbox" in page.url
+
+    page.click("button:has-text('Reset')")
+    expect(page.locator("#match-count")).to_have_text(f"{total} matching")
+    page.fill("input[name=search]", "ZeroDivisionError")
+    page.press("input[name=search]", "Enter")
+    expect(page.locator("#match-count")).to_have_text(f"{zero} matching")
+    shot(page, tmp_path, "list")
+
+    first = page.locator("#traj-table tbody tr").first
+    traj_id = first.get_attribute("data-id")
+    first.click()
+    page.wait_for_selector("#conversation .msg.assistant")
+    assert traj_id in page.locator("h2").first.text_content()
+    assert page.locator(".toolcall .name", has_text="python").count() >= 1
+    assert page.locator(".sandbox pre.stderr", has_text="ZeroDivisionError").count() >= 1
+    assert page.locator("#reward-breakdown td", has_text="correct").count() == 1
+    shot(page, tmp_path, "conversation")
+    assert not page.console_errors, page.console_errors
+
+
+def test_playback_steps_turn_by_turn(server: str, page: Any) -> None:
+    page.goto(server + "/#/t/mul-ok")
+    page.wait_for_selector("#conversation .msg")
+    visible = lambda: page.locator("#conversation .msg:visible").count()  # noqa: E731
+    assert visible() == 4 and page.locator("#play-label").text_content() == "all 2 turns"
+    page.click("#play-first")
+    assert visible() == 1  # only the user's question
+    page.click("#play-next")
+    assert (
+        visible() == 3 and page.locator("#play-label").text_content() == "turn 1 of 2"
+    )  # call + tool output
+    assert page.locator("#conversation .msg.current .toolcall .name").text_content() == "multiply"
+    page.click("#play-next")
+    assert visible() == 4
+    page.click("#play-prev")
+    page.click("#play-prev")
+    assert visible() == 1
+    page.click("#play-auto")
+    expect(page.locator("#play-label")).to_have_text("all 2 turns", timeout=10_000)
+
+
+def test_token_colourings_and_hover(server: str, page: Any, replay_run: Path, tmp_path: Path) -> None:
+    with TrajectoryStore(replay_run, readonly=True) as store:
+        tid = str(
+            store.query(TrajectoryFilter(env="calculator", status="trained", step_max=5), limit=1)[0]["id"]
+        )
+        traj = store.get_trajectory(tid)
+    page.goto(server + f"/#/t/{tid}")
+    page.click("#tab-tokens")
+    page.wait_for_selector("#tokens span.tok")
+    spans = page.locator("#tokens span.tok")
+    assert spans.count() == len(traj.token_ids)
+
+    def backgrounds() -> list[str]:
+        return page.eval_on_selector_all("#tokens span.tok", "els => els.map(e => e.style.background)")
+
+    mask_colours = backgrounds()
+    sampled = {c for c, m in zip(mask_colours, traj.loss_mask, strict=True) if m}
+    prompt = {c for c, m in zip(mask_colours, traj.loss_mask, strict=True) if not m}
+    assert len(sampled) == 1 and len(prompt) == 1 and sampled != prompt
+
+    for field in ("logprobs", "trainer_logprobs", "is_weights", "advantages", "versions", "is_mask"):
+        page.select_option("#colour-by", field)
+        colours = backgrounds()
+        assert all(c == "" for c, m in zip(colours, traj.loss_mask, strict=True) if not m), (
+            field
+        )  # n/a off-policy
+        assert all(c != "" for c, m in zip(colours, traj.loss_mask, strict=True) if m), field
+        if field in ("logprobs", "trainer_logprobs", "is_weights"):
+            assert len({c for c, m in zip(colours, traj.loss_mask, strict=True) if m}) > 3, field
+        assert page.locator("#token-notice").text_content() == ""
+    page.select_option("#colour-by", "logprobs")
+    k = traj.loss_mask.index(1) + 2
+    spans.nth(k).hover()
+    tip = page.locator("#tooltip")
+    assert tip.is_visible()
+    text = tip.text_content()
+    assert f"#{k}" in text and f"id {traj.token_ids[k]}" in text
+    assert f"{traj.logprobs[k]:.4f}" in text and "policy version" in text
+    shot(page, tmp_path, "tokens")
+
+    page.goto(server + "/#/t/no-stats?tab=tokens")
+    page.wait_for_selector("#tokens span.tok")
+    page.select_option("#colour-by", "trainer_logprobs")
+    assert "n/a" in page.locator("#token-notice").text_content()
+    assert all(c == "" for c in backgrounds())
+    assert "(n/a)" in page.locator("#colour-by option[value=advantages]").text_content()
+
+
+def test_group_view_side_by_side(server: str, page: Any, replay_run: Path, tmp_path: Path) -> None:
+    with TrajectoryStore(replay_run, readonly=True) as store:
+        row = store.query(TrajectoryFilter(env="search_qa"), limit=1)[0]
+        members = store.group_members(str(row["group_id"]))
+    page.goto(server + f"/#/t/{row['id']}?tab=group")
+    page.wait_for_selector("#siblings .sibling")
+    cards = page.locator("#siblings .sibling")
+    assert cards.count() == len(members) == 4
+    for i, m in enumerate(members):
+        card_text = cards.nth(i).text_content()
+        assert f"reward {m['reward']:.3f}" in card_text or f"reward {int(m['reward'])}" in card_text
+        assert "advantage" in card_text
+    assert page.locator("#siblings .sibling.current").get_attribute("data-id") == row["id"]
+    shot(page, tmp_path, "group")
+
+
+def test_reexecute_button(server: str, page: Any) -> None:
+    page.goto(server + "/#/t/mul-ok")
+    page.click("#check")
+    page.wait_for_selector("#check-verdict")
+    assert page.locator("#check-verdict").text_content().startswith("✔ reproduces")
+    page.goto(server + "/#/t/mul-bad")
+    page.click("#check")
+    page.wait_for_selector("#check-verdict")
+    assert "does not reproduce" in page.locator("#check-verdict").text_content()
+    assert page.locator("#check-report summary.fail", has_text="turn 0").count() == 1
+
+
+def test_hostile_model_text_renders_inert(server: str, page: Any) -> None:
+    for view in ("/#/t/xss-traj", "/#/t/xss-traj?tab=tokens", "/#/t/xss-traj?tab=group", "/#/list?search=pwned",
+                 "/#/list?env=calculator&order=oldest", "/#/g/xss-group"):  # fmt: skip
+        page.goto(server + view)
+        page.wait_for_load_state("networkidle")
+        page.wait_for_timeout(150)
+        assert page.evaluate("typeof window.__pwned") == "undefined", view
+        assert page.dialogs == [], view
+        assert page.locator("img").count() == 0, view
+        assert page.locator("main svg[onload], main a[href^='javascript']").count() == 0, view
+        assert page.locator("script").count() == 1, view  # only /static/app.js
+    page.goto(server + "/#/t/xss-traj")
+    page.wait_for_selector("#conversation .msg")
+    text = page.locator("#conversation").text_content()
+    assert "<script>window.__pwned = 1; alert('script')</script>" in text
+    assert "<img src=x onerror=" in text
+    assert page.locator("#episode-error").text_content().count("<img src=x") == 1
+    assert page.locator(".toolcall .name").first.text_content().startswith("<img")
+    page.goto(server + "/#/list?search=pwned")
+    page.wait_for_selector("#traj-table tbody tr")
+    assert "<script>" in page.locator("#traj-table").text_content()
+    assert not page.console_errors, page.console_errors

@@ -1,0 +1,274 @@
+"""Run config: YAML, overrides, plugin sections validated by the plugin's Config, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.config import (
+    RunConfig,
+    apply_overrides,
+    dump_config,
+    load_config,
+    parse_override,
+    resolve_config,
+)
+from agentrl.env import Env, EnvConfig, StepResult
+from agentrl.errors import ConfigError
+from agentrl.registry import Plugins
+from agentrl.types import Message
+
+TORCH_TRAINER = "agentrl.trainers.torch_trainer:TorchTrainer"  # a lazy string: never imported here
+
+
+class EchoEnv(Env):
+    """Echoes the reply."""
+
+    class Config(EnvConfig):
+        mode: Literal["upper", "lower"] = "upper"
+        max_len: int = Field(100, ge=1)
+
+    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        return [{"id": "0"}]
+
+    async def reset(self, task, *, seed=None):  # type: ignore[no-untyped-def]
+        return [Message(role="user", content="hi")], {}
+
+    async def step(self, action: Message) -> StepResult:
+        return StepResult(messages=[], terminated=True)
+
+
+class FakeEngine:
+    """An engine with its own config."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        replies: list[str] = Field(default_factory=lambda: ["ok"])
+        latency_s: float = Field(0.0, ge=0.0)
+
+
+@pytest.fixture
+def plugins() -> Plugins:
+    p = Plugins()
+    p.envs.add("echo", EchoEnv, source="test")
+    p.engines.add("fake", FakeEngine, source="test")
+    p.trainers.add("torch", TORCH_TRAINER, source="test")
+    return p
+
+
+BASE: dict[str, Any] = {"env": {"name": "echo"}, "engine": {"name": "fake"}}
+
+
+def resolve(plugins: Plugins, raw: dict[str, Any], *overrides: str) -> RunConfig:
+    return resolve_config(raw, list(overrides), plugins=plugins)
+
+
+def error_of(plugins: Plugins, raw: dict[str, Any], *overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        resolve(plugins, raw, *overrides)
+    return str(e.value)
+
+
+def test_defaults_are_filled_in_everywhere(plugins: Plugins) -> None:
+    config = resolve(plugins, BASE)
+    assert config.run.output_dir == "runs"
+    assert config.model.path == "smollm2-135m-instruct"
+    assert config.rollout.max_staleness == 1
+    assert config.env.params == {"mode": "upper", "max_len": 100}
+    assert isinstance(config.env.config, EchoEnv.Config)
+    assert config.engine.params == {"replies": ["ok"], "latency_s": 0.0}
+    assert config.trainer.name == "torch"
+    assert config.trainer.params["advantage"] == "grpo"  # TrainerConfig defaults
+    assert config.sandbox is None and config.reward is None
+    assert config.registry() is plugins
+
+
+def test_overrides_parse_yaml_scalars_and_nest(plugins: Plugins) -> None:
+    config = resolve(
+        plugins,
+        BASE,
+        "rollout.group_size=4",
+        "run.name=my run",
+        "rollout.sampling.stop_strings=[a, b]",
+        "env.mode=lower",
+        "trainer.kl.coef=0.05",
+        "rollout.dynamic_sampling=true",
+    )
+    assert config.rollout.group_size == 4
+    assert config.run.name == "my run"
+    assert config.rollout.sampling.stop_strings == ["a", "b"]
+    assert config.env.params["mode"] == "lower"
+    assert config.trainer.params["kl"]["coef"] == 0.05
+    assert config.rollout.dynamic_sampling is True
+
+
+def test_override_helpers() -> None:
+    assert parse_override("a.b.c=3") == (["a", "b", "c"], 3)
+    assert parse_override("a=x=y") == (["a"], "x=y")
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=2.5", "d.e=null"]) == {"a": {"b": 1, "c": 2.5}, "d": {"e": None}}
+    with pytest.raises(ConfigError, match=r"not of the form key\.path=value"):
+        parse_override("rollout.group_size")
+    with pytest.raises(ConfigError, match=r"run\.steps\.x: cannot set it, run\.steps is 5, not a section"):
+        apply_overrides({"run": {"steps": 5}}, ["run.steps.x=1"])
+
+
+# ---------------------------------------------------------------- bad configs
+
+
+def test_bad_negative_staleness_names_key_value_and_bound(plugins: Plugins) -> None:
+    msg = error_of(plugins, BASE, "rollout.max_staleness=-1")
+    assert msg == "rollout.max_staleness: got -1; Input should be greater than or equal to 0"
+
+
+def test_bad_enum_in_trainer_lists_choices(plugins: Plugins) -> None:
+    msg = error_of(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "ppo"}})
+    assert msg.startswith("trainer.advantage: got 'ppo';")
+    for choice in ("'grpo'", "'dr_grpo'", "'rloo'", "'reinforce_pp'", "'gae'"):
+        assert choice in msg
+
+
+def test_bad_env_param_is_checked_by_the_env_config(plugins: Plugins) -> None:
+    msg = error_of(plugins, {"env": {"name": "echo", "mode": "shout"}, "engine": {"name": "fake"}})
+    assert msg == "env.mode: got 'shout'; Input should be 'upper' or 'lower'"
+
+
+def test_misspelt_key_suggests_the_right_one(plugins: Plugins) -> None:
+    msg = error_of(plugins, BASE, "rollout.max_stalenes=2")
+    assert msg == "rollout.max_stalenes: unknown key; did you mean 'max_staleness'?"
+    msg = error_of(plugins, {**BASE, "engine": {"name": "fake", "latency": 1}})
+    assert msg == "engine.latency: unknown key; did you mean 'latency_s'?"
+    msg = error_of(plugins, {**BASE, "runn": {}})
+    assert msg == "runn: unknown key; did you mean 'run'?"
+
+
+def test_unknown_plugin_name_lists_available(plugins: Plugins) -> None:
+    msg = error_of(plugins, {"env": {"name": "ecoh"}})
+    assert msg == "env.name: unknown env 'ecoh'; did you mean 'echo'? (available: echo)"
+    msg = error_of(plugins, {**BASE, "trainer": {"name": "deepspeed"}})
+    assert msg.startswith("trainer.name: unknown trainer 'deepspeed'") and "torch" in msg
+
+
+def test_missing_env_and_several_problems_on_one_line(plugins: Plugins) -> None:
+    assert error_of(plugins, {}) == "env: required key is missing"
+    msg = error_of(plugins, {**BASE, "run": {"steps": 0, "loggers": ["wandb2"]}})
+    assert msg.startswith("2 problems: ")
+    assert "run.steps: got 0; Input should be greater than or equal to 1" in msg
+    assert "run.loggers.0: got 'wandb2'" in msg and "'tensorboard'" in msg
+    assert "\n" not in msg
+
+
+def test_bad_pattern_and_cross_field_rule(plugins: Plugins) -> None:
+    msg = error_of(plugins, BASE, "rollout.tool_output_truncation=top")
+    assert msg.startswith("rollout.tool_output_truncation: got 'top';") and "left|right|middle" in msg
+    msg = error_of(plugins, BASE, "trainer.schedule=cosine")
+    assert "trainer.schedule='cosine' needs trainer.total_steps" in msg
+
+
+def test_yaml_file_errors(tmp_path: Path, plugins: Plugins) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml", plugins=plugins)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("env: {name: echo\nrun: [\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
+        load_config(bad, plugins=plugins)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping of sections, got list"):
+        load_config(listy, plugins=plugins)
+
+
+# ---------------------------------------------------------------- files, plugin modules, round trip
+
+
+def test_load_imports_plugin_modules_next_to_the_config(tmp_path: Path) -> None:
+    (tmp_path / "cfg_neighbour_plugins.py").write_text(
+        "import agentrl\n"
+        "from agentrl.env import Env, EnvConfig\n\n"
+        "@agentrl.env('neighbour')\n"
+        "class Neighbour(Env):\n"
+        "    '''Lives next to the config.'''\n"
+        "    class Config(EnvConfig):\n"
+        "        level: int = 1\n"
+        "    def tasks(self, split='train'):\n"
+        "        return []\n"
+        "    async def reset(self, task, *, seed=None):\n"
+        "        return [], {}\n"
+        "    async def step(self, action):\n"
+        "        raise NotImplementedError\n\n"
+        "@agentrl.plugin('engines', 'neighbour_engine')\n"
+        "class Engine:\n"
+        "    '''No config.'''\n"
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "plugins": ["cfg_neighbour_plugins"],
+                "env": {"name": "neighbour", "level": 3},
+                "engine": {"name": "neighbour_engine"},
+                "trainer": {"name": TORCH_TRAINER, "lr": 1e-5},
+            }
+        )
+    )
+    config = load_config(path, ["rollout.group_size=2"])
+    assert config.env.params == {"level": 3}
+    assert config.trainer.params["lr"] == 1e-5
+    assert config.rollout.group_size == 2
+    assert "neighbour" in config.registry().envs
+
+
+def test_dump_round_trips_exactly(tmp_path: Path, plugins: Plugins) -> None:
+    config = resolve(plugins, BASE, "trainer.kl.coef=0.1", "env.mode=lower", "rollout.on_error.format=drop_group")
+    text = dump_config(config)
+    data = yaml.safe_load(text)
+    assert data["env"] == {"name": "echo", "mode": "lower", "max_len": 100}
+    assert data["rollout"]["on_error"]["format"] == "drop_group"
+    assert data["trainer"]["betas"] == [0.9, 0.999]
+    path = tmp_path / "resolved.yaml"
+    path.write_text(text)
+    again = load_config(path, plugins=plugins)
+    assert dump_config(again) == text
+    assert again.model_dump() == config.model_dump()
+
+
+class ModelEngine:
+    """An engine that takes the policy model like `hf` does."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        model: str = "default-model"
+        dtype: Literal["auto", "bf16", "fp32"] = "auto"
+
+
+def test_engine_model_and_dtype_follow_the_model_section(plugins: Plugins) -> None:
+    plugins.engines.add("model_engine", ModelEngine, source="test")
+    raw = {"env": {"name": "echo"}, "engine": {"name": "model_engine"}, "model": {"path": "/models/x", "dtype": "bf16"}}
+    config = resolve(plugins, raw)
+    assert config.engine.params == {"model": "/models/x", "dtype": "bf16"}
+    config = resolve(plugins, raw, "engine.model=/models/other")  # explicit engine params win
+    assert config.engine.params == {"model": "/models/other", "dtype": "bf16"}
+    assert "model" not in resolve(plugins, BASE).engine.params  # engines without the field get nothing
+
+
+def test_warm_start_section(plugins: Plugins) -> None:
+    assert resolve(plugins, BASE).warm_start.steps == 0
+    msg = error_of(plugins, BASE, "warm_start.steps=5", "warm_start.source=store")
+    assert "warm_start.source='store' needs warm_start.store_path" in msg
+    msg = error_of(plugins, BASE, "warm_start.source=dataset")
+    assert msg.startswith("warm_start.source: got 'dataset';") and "'demonstrations' or 'store'" in msg
+
+
+def test_plugin_section_shorthand(plugins: Plugins) -> None:
+    config = resolve(plugins, {"env": "echo", "engine": "fake"})
+    assert config.env.params == {"mode": "upper", "max_len": 100}
+    assert resolve(plugins, BASE, "env=echo").env.name == "echo"
+    assert error_of(plugins, {"env": 3}).startswith("env: got 3;")
+
+
+def test_misspelt_key_inside_an_optional_nested_section(plugins: Plugins) -> None:
+    msg = error_of(plugins, BASE, "trainer.critic.lrr=0.1")
+    assert msg == "trainer.critic.lrr: unknown key; did you mean 'lr'?"

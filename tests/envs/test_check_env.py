@@ -1,0 +1,66 @@
+"""Every built-in env of this area passes agentrl.testing.check_env."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agentrl.envs.code_env import CodeEnv
+from agentrl.envs.dataset_env import DatasetEnv
+from agentrl.envs.gym_text import GymTextEnv
+from agentrl.envs.math_env import MathEnv
+from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
+
+from agentrl.env import Env, Task
+from agentrl.rewards import RewardResult
+from agentrl.testing import acheck_env
+from agentrl.types import Message
+
+
+class LastNumber:
+    async def score(self, task: Task, messages: Sequence[Message]) -> RewardResult:
+        numbers = re.findall(r"-?\d+", messages[-1].content)
+        return RewardResult(value=float(bool(numbers) and numbers[-1] == str(task["answer"])))
+
+
+def replying(text: str) -> Any:
+    return lambda messages: text
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        ReasoningGymEnv(ReasoningGymEnv.Config(train_size=8, test_size=4)),
+        GymTextEnv(GymTextEnv.Config(game="frozenlake", train_size=8, max_steps=4)),
+        GymTextEnv(GymTextEnv.Config(game="taxi", train_size=8, max_steps=4)),
+        GymTextEnv(GymTextEnv.Config(game="blackjack", train_size=8)),
+        MathEnv(MathEnv.Config(train_size=8, test_size=4), rewards=[("last_number", 1.0, LastNumber())]),
+    ],
+    ids=["reasoning_gym", "frozenlake", "taxi", "blackjack", "math"],
+)
+async def test_env_passes_check_env(env: Env) -> None:
+    report = await acheck_env(env)
+    assert report.episodes >= 2 and report.steps >= 2
+    report = await acheck_env(env, policy=replying("<action>left</action> <answer>3</answer> \\boxed{3}"))
+    assert report.steps >= 2
+
+
+async def test_dataset_env_passes_check_env(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) for i in range(12)))
+    env = DatasetEnv(DatasetEnv.Config(source={"path": str(path)}, test_fraction=0.3),
+                     rewards=[("last_number", 1.0, LastNumber())])
+    report = await acheck_env(env)
+    assert report.episodes >= 2
+
+
+async def test_code_env_passes_check_env(local_sandbox: Any) -> None:
+    env = CodeEnv(CodeEnv.Config(max_attempts=2), sandbox=local_sandbox)
+    report = await acheck_env(env)
+    assert report.steps >= 2
+    report = await acheck_env(env, policy=replying("```python\nprint(input())\n```"))
+    assert report.steps >= 2

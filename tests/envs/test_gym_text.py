@@ -1,0 +1,98 @@
+"""gym_text: boards rendered as text, actions parsed from replies, rewards from the game."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from agentrl.envs.gym_text import GymTextEnv
+
+from agentrl.types import Message
+
+
+def make(**params: object) -> GymTextEnv:
+    return GymTextEnv(GymTextEnv.Config(**params))
+
+
+def say(text: str) -> Message:
+    return Message(role="assistant", content=text)
+
+
+def test_task_ids_deterministic_and_splits_disjoint() -> None:
+    env = make(train_size=30, test_size=10, seed=2)
+    train, test = list(env.tasks("train")), list(env.tasks("test"))
+    assert [t["id"] for t in train] == [t["id"] for t in make(train_size=30, test_size=10, seed=2).tasks()]
+    assert not {t["seed"] for t in train} & {t["seed"] for t in test}
+    with pytest.raises(ValueError, match="allowed: train, test"):
+        list(env.tasks("val"))
+
+
+async def test_frozenlake_solved_by_following_the_rendered_board(shortest_lake_path: Any) -> None:
+    env = make(game="frozenlake", max_steps=30)
+    task = next(iter(env.tasks()))
+    messages, _ = await env.reset(task)
+    board = messages[0].content.split("\n\n")[-1].splitlines()
+    assert board == env.render().splitlines() and board[0][0] == "P"
+    path = shortest_lake_path(board)
+    total = 0.0
+    for i, move in enumerate(path):
+        result = await env.step(say(f"I will go {move}. <action>{move}</action>"))
+        total += result.reward
+        assert result.terminated == (i == len(path) - 1)
+        if not result.terminated:
+            assert "P" in result.messages[0].content
+    assert total == 1.0 and result.messages == []
+
+
+async def test_frozenlake_hole_ends_with_zero_and_bad_action_does_not_move() -> None:
+    env = make(game="frozenlake", train_size=50)
+    for task in env.tasks():
+        await env.reset(task)
+        board = env.render().splitlines()
+        if board[0][1] == "H":
+            break
+    else:
+        pytest.skip("no map with a hole right of the start")
+    bad = await env.step(say("<action>jump</action>"))
+    assert bad.info["invalid_action"] and not bad.terminated and env.render().splitlines() == board
+    fell = await env.step(say("right"))
+    assert fell.terminated and fell.reward == 0.0
+
+
+async def test_taxi_rewards_and_truncation() -> None:
+    env = make(game="taxi", max_steps=3)
+    await env.reset(next(iter(env.tasks())))
+    assert "T" in env.render() and "Destination:" in env.render()
+    illegal = await env.step(say("<action>dropoff</action>"))
+    assert illegal.reward == -10.0 and not illegal.terminated
+    move = await env.step(say("<action>north</action> or maybe west"))  # the tag wins over bare words
+    assert move.info["action"] == "north" and move.reward == -1.0
+    last = await env.step(say("<action>south</action>"))
+    assert last.truncated and not last.terminated and last.messages == []
+    assert last.info["truncation_reason"] == "max_steps"
+
+
+async def test_blackjack_stick_ends_with_game_reward() -> None:
+    env = make(game="blackjack", train_size=20)
+    outcomes = set()
+    for task in env.tasks():
+        messages, _ = await env.reset(task)
+        assert "Dealer shows:" in messages[0].content
+        result = await env.step(say("I stick. <action>stick</action>"))
+        assert result.terminated
+        outcomes.add(result.reward)
+    assert outcomes <= {-1.0, 0.0, 1.0} and len(outcomes) >= 2
+
+
+async def test_sample_seed_keeps_the_start_but_varies_later_cards() -> None:
+    env = make(game="blackjack", train_size=1)
+    task = next(iter(env.tasks()))
+    starts, hands = set(), set()
+    for sample_seed in range(12):
+        messages, _ = await env.reset(task, seed=sample_seed)
+        starts.add(messages[0].content)
+        result = await env.step(say("<action>hit</action>"))
+        hands.add(result.info.get("final_state") or result.messages[0].content)
+    again, _ = await env.reset(task, seed=0)
+    assert len(starts) == 1 and again[0].content in starts
+    assert len(hands) > 1

@@ -1,0 +1,1 @@
+"""agentrl-hello: a third-party agentrl plugin (one env, one tool)."""

@@ -1,0 +1,58 @@
+"""Data parallel (DDP) and sequence parallel over 2 gloo ranks give the same loss and
+gradients as one process on the same data."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+CONFIG: dict[str, Any] = {"dtype": "fp32", "lr": 1e-3, "micro_batch_tokens": 48, "loss_agg": "seq_mean_token_mean"}
+# one spawn runs both: DP over 2 ranks, then SP=2 (ring attention, DP=1) in the same process group
+RUNS = [CONFIG, dict(CONFIG, sequence_parallel_size=2)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_gloo_ranks_dp_and_sp_match_one_process(tiny_llama_path: str, tmp_path: Path, build: Any) -> None:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), tiny_llama_path, str(tmp_path), json.dumps(RUNS)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    single = TorchTrainer(CONFIG, tiny_llama_path)
+    m1 = single.compute_gradients(build.groups(3, 3, seed=7))
+    g1 = {n: p.grad for n, p in single.model.named_parameters() if p.grad is not None}
+    for k, rank in [(k, r) for k in range(len(RUNS)) for r in range(2)]:
+        got = torch.load(tmp_path / f"{k}_rank{rank}.pt", weights_only=False)
+        assert got["metrics"]["loss"] == pytest.approx(m1["loss"], rel=1e-5)
+        assert got["metrics"]["samples"] == m1["samples"] == 9
+        assert got["metrics"]["pack/tokens"] == m1["pack/tokens"]
+        assert got["metrics"]["off_policy/mismatch_kl"] == pytest.approx(m1["off_policy/mismatch_kl"], rel=1e-5)
+        assert set(got["grads"]) == set(g1)
+        for n, g in g1.items():
+            torch.testing.assert_close(
+                got["grads"][n], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=f"run {k} rank {rank}: {n}"
+            )

@@ -1,0 +1,180 @@
+"""Checkpoint and resume for TorchTrainer.
+
+Layout of a checkpoint directory:
+  model/               HF safetensors model (+ tokenizer): `from_pretrained(path/"model")` works.
+                       With LoRA the adapters are merged in (what engines and evals want).
+  adapter/             LoRA only: the peft adapter, which is what resume loads.
+  trainer_state.pt     optimizer, scheduler, step, policy_version, critic (if any)
+  rng_rank{R}.pt       python / numpy / torch (and CUDA) RNG states of rank R
+  extra_state.json     the caller's JSON state (data cursor, rollout state, …)
+The directory is written under a temporary name and renamed, so a crash never
+leaves a half checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+
+def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[str, Any]) -> None:
+    """Write a checkpoint of `trainer` to `path` (replacing an existing one)."""
+    path = Path(path)
+    world = trainer.world
+    tmp = path.with_name(path.name + ".tmp")
+    if world.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        _save_model(trainer, tmp)
+        torch.save(
+            {
+                "optimizer": trainer.optimizer.state_dict(),
+                "scheduler": trainer.scheduler.state_dict(),
+                "step": trainer.step,
+                "policy_version": trainer.policy_version,
+                "critic": trainer.critic.state_dict() if trainer.critic is not None else None,
+                "config": trainer.config.model_dump(mode="json"),
+            },
+            tmp / "trainer_state.pt",
+        )
+        (tmp / "extra_state.json").write_text(json.dumps(extra_state, indent=1, sort_keys=True))
+    _barrier(trainer)
+    torch.save(_rng_state(), tmp / f"rng_rank{world.rank}.pt")
+    _barrier(trainer)
+    if world.is_main:
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    _barrier(trainer)
+
+
+def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler, RNG, step and version; return extra_state."""
+    path = Path(path)
+    if not (path / "trainer_state.pt").exists():
+        raise FileNotFoundError(f"{path} is not a trainer checkpoint (no trainer_state.pt)")
+    _load_model(trainer, path)
+    state = torch.load(path / "trainer_state.pt", map_location=trainer.device, weights_only=False)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.step = int(state["step"])
+    trainer.policy_version = int(state["policy_version"])
+    if trainer.critic is not None:
+        if state.get("critic") is None:
+            raise ValueError(f"{path}: checkpoint has no critic state but trainer.advantage='gae' needs one")
+        trainer.critic.load_state_dict(state["critic"])
+    rng_file = path / f"rng_rank{trainer.world.rank}.pt"
+    if rng_file.exists():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    extra: dict[str, Any] = json.loads((path / "extra_state.json").read_text())
+    return extra
+
+
+def _save_model(trainer: TorchTrainer, out: Path) -> None:
+    model = trainer.model
+    if trainer.config.lora is not None:
+        model.save_pretrained(out / "adapter")  # type: ignore[operator]
+        _save_merged(trainer, out / "model")
+    else:
+        model.save_pretrained(out / "model", safe_serialization=True)  # type: ignore[operator]
+    _copy_tokenizer(trainer.model_path, out / "model")
+
+
+def _save_merged(trainer: TorchTrainer, out: Path) -> None:
+    """A plain HF model dir holding the LoRA-merged weights."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainers.weights import hf_named_tensors
+
+    base_config = trainer.model.get_base_model().config  # type: ignore[operator]
+    merged = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)
+    state = {name: t.detach().cpu() for name, t in hf_named_tensors(trainer.model)}
+    missing, unexpected = merged.load_state_dict(state, strict=False)
+    tied = set(getattr(merged, "_tied_weights_keys", None) or [])
+    if unexpected or [m for m in missing if m not in tied and not m.startswith("lm_head")]:
+        raise RuntimeError(f"merging LoRA for save: missing={missing} unexpected={unexpected}")
+    merged.save_pretrained(out, safe_serialization=True)
+
+
+def _copy_tokenizer(src: str, out: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "vocab.json", "merges.txt", "generation_config.json"):  # fmt: skip
+        f = Path(src) / name
+        if f.exists() and not (out / name).exists():
+            shutil.copy2(f, out / name)
+
+
+def _load_model(trainer: TorchTrainer, path: Path) -> None:
+    if trainer.config.lora is not None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        adapter = path / "adapter"
+        files = list(adapter.glob("adapter_model.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{adapter}: no adapter_model.safetensors to resume LoRA from")
+        set_peft_model_state_dict(trainer.model, load_file(str(files[0]), device=str(trainer.device)))
+        return
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted((path / "model").glob("*.safetensors")):
+        state.update(load_file(str(f), device=str(trainer.device)))
+    missing, unexpected = trainer.model.load_state_dict(state, strict=False)
+    tied = _tied_names(trainer.model)
+    bad_missing = [m for m in missing if m not in tied]
+    if bad_missing or unexpected:
+        raise RuntimeError(f"{path}/model does not match the model: missing={bad_missing} unexpected={unexpected}")
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """State-dict names that alias another tensor (dropped by save_pretrained)."""
+    seen: dict[int, str] = {}
+    tied: set[str] = set()
+    for name, t in model.state_dict().items():
+        ptr = t.data_ptr()
+        if ptr in seen:
+            tied.add(name)
+        else:
+            seen[ptr] = name
+    return tied
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _barrier(trainer: TorchTrainer) -> None:
+    if trainer.world.size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=trainer.world.group)

@@ -1,0 +1,102 @@
+"""The PPO critic: an HF decoder backbone plus a scalar value head, with its own optimizer.
+
+`values[t]` estimates the return from the state *before* token t is sampled
+(the head reads hidden state t-1), the same alignment as the policy's logprobs.
+Trained with the clipped value loss, token-mean over the batch's loss tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from agentrl.trainers.config import CriticConfig
+from agentrl.trainers.distributed import World, maybe_no_sync, wrap
+from agentrl.trainers.losses import value_loss
+from agentrl.trainers.packing import PackedBatch
+
+
+class ValueModel(nn.Module):
+    """Decoder backbone + linear head (zero-initialised, so initial values are 0)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        v = self.head(hidden[0, :-1]).squeeze(-1).float()
+        v = torch.cat([v.new_zeros(1), v])
+        return v.masked_fill(position_ids[0] == 0, 0.0)
+
+
+class Critic:
+    """Value model, optimizer and the PPO value update over packed micro-batches."""
+
+    def __init__(
+        self,
+        config: CriticConfig,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        autocast_dtype: torch.dtype | None = None,
+        world: World | None = None,
+    ) -> None:
+        from transformers import AutoModel
+
+        self.config = config
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.world = world or World()
+        backbone = AutoModel.from_pretrained(config.model_path or model_path, dtype=torch.float32)
+        self.model = ValueModel(backbone, backbone.config.hidden_size).to(device)
+        self.module = wrap(self.model, self.world, device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+
+    def _autocast(self) -> Any:
+        dev = torch.device(self.device).type
+        return torch.autocast(dev, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+    @torch.no_grad()
+    def values(self, batches: Sequence[PackedBatch]) -> dict[int, torch.Tensor]:
+        """Values per sample index (CPU float32), for GAE and as old values for clipping."""
+        out: dict[int, torch.Tensor] = {}
+        self.model.eval()
+        for b in batches:
+            with self._autocast():
+                v = self.model(b.input_ids.to(self.device), b.position_ids.to(self.device)).float().cpu()
+            for i, part in zip(b.sample_indices, b.split(v), strict=True):
+                out[i] = part
+        return out
+
+    def update(self, batches: Sequence[PackedBatch], num_tokens: int) -> dict[str, float]:
+        """One optimizer step on fields `returns`, `old_values`, `loss_mask`; token-mean over `num_tokens`."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64)
+        for k, b in enumerate(batches):
+            b = b.to(self.device)
+            with maybe_no_sync(self.module, sync=k == len(batches) - 1), self._autocast():
+                v = self.module(b.input_ids, b.position_ids).float()
+                per_token = value_loss(v, b.fields["old_values"], b.fields["returns"], self.config.value_clip)
+                loss = (per_token * b.fields["loss_mask"]).sum() / max(num_tokens, 1)
+            (loss * self.world.size).backward()
+            total += loss.detach().double().cpu()
+        grad_norm = torch.tensor(0.0)
+        if self.config.max_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        return {"critic/loss_local": float(total), "critic/grad_norm": float(grad_norm)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,170 @@
+"""Padding-free packing: several sequences in one row, micro-batches by token budget.
+
+A packed row is `[1, T]` input ids with position ids that restart at 0 for each
+sequence, plus `cu_seqlens` (cumulative sequence starts, flash-attention style).
+Attention cannot cross sequence boundaries: with `attention_mask=None`,
+transformers derives a block-diagonal causal mask from the restarting position
+ids (sdpa/eager) or varlen boundaries (flash-attention); the ring-attention
+path consumes `cu_seqlens` directly. Optional padding to a multiple (for
+sequence-parallel splits) is one extra segment of its own, loss mask 0.
+
+Per-token float/int fields (loss mask, advantages, behaviour logprobs, …)
+travel alongside, packed the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """One micro-batch: a single packed row and its per-token fields.
+
+    `seq_ids[t]` is the index (within this micro-batch) of the sequence token t
+    belongs to; the padding segment, if any, has index `len(sample_indices)`.
+    `sample_indices[i]` is the caller's index of packed sequence i.
+    """
+
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long
+    cu_seqlens: torch.Tensor  # [num_segments + 1] int32 (padding segment included)
+    seq_ids: torch.Tensor  # [T] long
+    sample_indices: list[int]
+    fields: dict[str, torch.Tensor]  # each [T]
+    num_pad: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def seq_starts(self) -> torch.Tensor:
+        """Index of the first token of every real sequence."""
+        return self.cu_seqlens[: len(self.sample_indices)].long()
+
+    def to(self, device: str | torch.device) -> PackedBatch:
+        return PackedBatch(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            seq_ids=self.seq_ids.to(device),
+            sample_indices=self.sample_indices,
+            fields={k: v.to(device) for k, v in self.fields.items()},
+            num_pad=self.num_pad,
+        )
+
+    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Cut a per-token tensor [T] back into one tensor per real sequence."""
+        bounds = self.cu_seqlens.tolist()
+        return [values[bounds[i] : bounds[i + 1]] for i in range(len(self.sample_indices))]
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """First-fit-decreasing bin packing of sequence indices into bins of <= token_budget tokens.
+
+    A sequence longer than the budget gets a bin of its own (it must be trained
+    on, not dropped). Bins keep indices in descending-length order; the result is
+    deterministic for equal inputs.
+    """
+    if token_budget < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(max(token_budget - n, 0))
+    return bins
+
+
+def pack(
+    input_ids: Sequence[Sequence[int]],
+    fields: Mapping[str, Sequence[torch.Tensor]],
+    indices: Sequence[int],
+    *,
+    pad_to_multiple_of: int = 1,
+    pad_id: int = 0,
+) -> PackedBatch:
+    """Pack sequences `indices` (into `input_ids` / each field list) into one row."""
+    if not indices:
+        raise ValueError("pack() needs at least one sequence")
+    ids: list[int] = []
+    positions: list[int] = []
+    seq_ids: list[int] = []
+    cu = [0]
+    for k, i in enumerate(indices):
+        seq = input_ids[i]
+        if len(seq) == 0:
+            raise ValueError(f"sequence {i} is empty; nothing to train on")
+        ids.extend(seq)
+        positions.extend(range(len(seq)))
+        seq_ids.extend([k] * len(seq))
+        cu.append(len(ids))
+    total = len(ids)
+    num_pad = (-total) % pad_to_multiple_of
+    if num_pad:
+        ids.extend([pad_id] * num_pad)
+        positions.extend(range(num_pad))
+        seq_ids.extend([len(indices)] * num_pad)
+        cu.append(total + num_pad)
+    packed_fields: dict[str, torch.Tensor] = {}
+    for name, per_seq in fields.items():
+        parts = [per_seq[i] for i in indices]
+        for i, p in zip(indices, parts, strict=True):
+            if p.shape[0] != len(input_ids[i]):
+                raise ValueError(f"field {name!r} of sequence {i} has {p.shape[0]} entries for {len(input_ids[i])} tokens")
+        if num_pad:
+            parts.append(torch.zeros(num_pad, dtype=parts[0].dtype))
+        packed_fields[name] = torch.cat(parts)
+    return PackedBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        seq_ids=torch.tensor(seq_ids, dtype=torch.long),
+        sample_indices=list(indices),
+        fields=packed_fields,
+        num_pad=num_pad,
+    )
+
+
+def pack_all(
+    input_ids: Sequence[Sequence[int]],
+    fields: Mapping[str, Sequence[torch.Tensor]],
+    token_budget: int,
+    *,
+    pad_to_multiple_of: int = 1,
+    pad_id: int = 0,
+    subset: Sequence[int] | None = None,
+) -> list[PackedBatch]:
+    """Plan and pack micro-batches for `subset` (default: all sequences)."""
+    chosen = list(range(len(input_ids))) if subset is None else list(subset)
+    plan = plan_micro_batches([len(input_ids[i]) for i in chosen], token_budget)
+    return [
+        pack(input_ids, fields, [chosen[j] for j in b], pad_to_multiple_of=pad_to_multiple_of, pad_id=pad_id)
+        for b in plan
+    ]
+
+
+def padding_stats(batches: Sequence[PackedBatch], lengths: Sequence[int]) -> dict[str, float]:
+    """Padding fraction of the packed micro-batches vs. a padded [n, max_len] layout of the same bins."""
+    packed_total = sum(b.num_tokens for b in batches)
+    packed_pad = sum(b.num_pad for b in batches)
+    padded_total = sum(len(b.sample_indices) * max(lengths[i] for i in b.sample_indices) for b in batches)
+    real = sum(lengths[i] for b in batches for i in b.sample_indices)
+    return {
+        "pack/padding_fraction": packed_pad / packed_total if packed_total else 0.0,
+        "pack/padded_layout_padding_fraction": 1.0 - real / padded_total if padded_total else 0.0,
+        "pack/micro_batches": float(len(batches)),
+        "pack/tokens": float(real),
+    }

@@ -1,0 +1,108 @@
+"""Weight hand-off to engines: named tensors (HF names) in size-bounded buckets.
+
+`NamedTensorBuckets` implements the core `WeightSource` protocol
+(agentrl/engines/base.py). Tensors are produced lazily and copied one bucket at
+a time, so a hand-off never holds more than one bucket of extra memory, and the
+copies stay valid while the trainer keeps training. With LoRA the adapters are
+merged on the fly (W + scale * B @ A) under the base model's parameter names,
+so an engine loads them like any full checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+class NamedTensorBuckets:
+    """A `WeightSource`: `buckets()` yields lists of (name, tensor) of <= bucket_mb each.
+
+    A tensor larger than the bucket is sent alone. `dtype` casts floating tensors
+    (e.g. bf16 for an engine serving in bf16); None keeps the trainer's dtype.
+    """
+
+    def __init__(
+        self,
+        named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        *,
+        bucket_mb: float = 256.0,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        self._named_tensors = named_tensors
+        self.bucket_bytes = int(bucket_mb * 1024 * 1024)
+        self.dtype = dtype
+        self.device = device
+
+    def buckets(self) -> Iterator[Sequence[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self._named_tensors():
+            t = tensor.detach()
+            if self.dtype is not None and t.is_floating_point():
+                t = t.to(self.dtype)
+            t = t.to(self.device, copy=True).contiguous()
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self._named_tensors()]
+
+
+def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict under HF names, tied aliases (e.g. lm_head = embed) once.
+
+    For a peft model the LoRA deltas are merged into the base weights and the
+    peft prefixes (`base_model.model.`, `.base_layer`) are removed.
+    """
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        yield from _merged_lora_tensors(model)
+        return
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=False).items():
+        ptr = t.data_ptr()
+        if ptr in seen and t.numel() > 0:
+            continue
+        seen.add(ptr)
+        yield name, t
+
+
+def _merged_lora_tensors(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()  # type: ignore[operator]
+    deltas: dict[str, torch.Tensor] = {}
+    for mod_name, mod in base.named_modules():
+        if isinstance(mod, LoraLayer):
+            delta: torch.Tensor | None = None
+            for adapter in mod.active_adapters:
+                if adapter in mod.lora_A:
+                    d = mod.get_delta_weight(adapter)
+                    delta = d if delta is None else delta + d
+            if delta is not None:
+                deltas[mod_name] = delta
+    seen: set[int] = set()
+    for name, t in base.state_dict().items():
+        if ".lora_" in name or "lora_embedding" in name:
+            continue
+        ptr = t.data_ptr()
+        if ptr in seen and t.numel() > 0:
+            continue
+        seen.add(ptr)
+        clean = name.replace(".base_layer.", ".")
+        if name.endswith(".base_layer.weight"):
+            mod_name = name[: -len(".base_layer.weight")]
+            if mod_name in deltas:
+                yield clean, (t + deltas[mod_name].to(t.dtype)).detach()
+                continue
+        yield clean, t
