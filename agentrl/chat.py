@@ -235,7 +235,10 @@ class HFChatTokenizer:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if isinstance(eos, int):
             ids.append(eos)
-        closing = closing_text(self)
+        try:
+            closing = closing_text(self)
+        except Exception:  # a template that cannot render [user, assistant]: keep the EOS only
+            closing = ""
         special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         if closing:

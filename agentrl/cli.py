@@ -146,13 +146,21 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
 
 
 def train(
-    config: ConfigArg,
+    config: Annotated[Path | None, typer.Argument(help="Run config YAML (omit with --resume).")] = None,
     overrides: OverridesArg = None,
-    resume: Annotated[Path | None, typer.Option(help="Continue the run in this run directory.")] = None,
+    resume: Annotated[
+        Path | None, typer.Option(help="Continue the run in this directory (after Ctrl-C, a crash or kill -9).")
+    ] = None,
 ) -> None:
-    """Train with CONFIG (plus overrides), or resume a run."""
+    """Train with CONFIG (plus overrides), or resume a run where it stopped."""
     from agentrl.config import load_config
 
+    if config is None:
+        if resume is None:
+            raise AgentrlError("agentrl train needs a CONFIG file, or --resume RUN_DIR")
+        config = resume / "config.yaml"
+        if not config.exists():
+            raise AgentrlError(f"--resume {resume}: no config.yaml there; is it an agentrl run directory?")
     run_config = load_config(config, overrides or [])
     try:
         loop = importlib.import_module("agentrl.loop")

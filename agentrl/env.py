@@ -79,3 +79,4 @@ class Env(ABC):
 
     async def close(self) -> None:
         """Release resources (sandboxes, files). Safe to call twice."""
+        return None

@@ -21,7 +21,7 @@ from agentrl.progress import TrainProgress
 from agentrl.rollout import RolloutManager
 from agentrl.run_dir import RunDir
 from agentrl.store import TrajectoryStore
-from agentrl.task_stream import TaskStream, cursor_of
+from agentrl.task_stream import TaskStream
 from agentrl.types import Group
 from agentrl.wiring import Parts, batch_metrics, build_parts, run_eval, warm_start
 
@@ -38,13 +38,17 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
     log = MetricsLog(run.path, loggers=config.run.loggers, project="agentrl", name=run.path.name,
                      config=config.model_dump(mode="json"))
     step, retrain = _restore(run, parts, store)
+    stored = {g.id for g in retrain}
     if step == 0 and not retrain:
         await warm_start(config, parts, store, log)
     await parts.engine.update_weights(parts.trainer.state_for_engines(), parts.trainer.policy_version)
     stream = TaskStream(parts.train_tasks, seed=config.run.seed)
     rollouts = RolloutManager(parts.env_factory, stream.iterate(store.cursors()), parts.engine, parts.tokenizer,
                               config.rollout, start_version=parts.trainer.policy_version)
-    save = lambda s: run.save_checkpoint(s, lambda d: parts.trainer.save(d, {"step": s}))  # noqa: E731
+
+    def save(at_step: int) -> None:
+        run.save_checkpoint(at_step, lambda d: parts.trainer.save(d, {"step": at_step}))
+
     try:
         lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
         async with rollouts:
@@ -61,7 +65,10 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
                     metrics |= rollouts.metrics() | batch_metrics(batch, parts.trainer.policy_version)
                     metrics["time/step_s"] = time.perf_counter() - started
                     for group in batch:
-                        store.add_group(group, step=step, status="trained")
+                        if group.id in stored:
+                            store.set_group_step(group.id, step=step)
+                        else:
+                            store.add_group(group, step=step, status="trained")
                     store.add_metrics(step, metrics)
                     store.commit()
                     if config.run.eval_every and step % config.run.eval_every == 0:
@@ -107,7 +114,7 @@ async def _batches(
     async for group in live:
         batch.append(group)
         if len(batch) == size:
-            yield sorted(batch, key=lambda g: cursor_of(g.task))
+            yield batch
             batch = []
 
 

@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,7 +106,7 @@ class MetricsLog:
     ) -> None:
         self.console = console or Console(stderr=True)
         self._sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
-        factories = {
+        factories: dict[str, Callable[[], Sink]] = {
             "tensorboard": lambda: TensorBoardSink(run_dir / "tensorboard"),
             "wandb": lambda: WandbSink(project, name, config),
             "mlflow": lambda: MlflowSink(project, name, config),

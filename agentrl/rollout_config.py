@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from agentrl.types import ErrorClass
 
 
-class FailurePolicy(str, enum.Enum):
+class FailurePolicy(enum.StrEnum):
     """What to do with an episode that ended in a classified error."""
 
     DROP_GROUP = "drop_group"  # discard the whole GRPO group it belongs to
@@ -62,7 +62,7 @@ class RolloutConfig(BaseModel):
     max_new_tokens_per_turn: int = Field(512, ge=1)
     max_tool_output_tokens: int = Field(512, ge=1)
     tool_output_truncation: str = Field("middle", pattern="^(left|right|middle)$")
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig.model_validate({}))
     # deadlines (seconds)
     episode_timeout_s: float = Field(600.0, gt=0)
     generate_timeout_s: float = Field(300.0, gt=0)

@@ -136,20 +136,23 @@ async def run_episode(
             tools = [tool.schema() for tool in env.tools] or None
             conv = Conversation(tokenizer, opening, tools=tools, budgets=Budgets.from_rollout_config(config))
             turn = 0
+            sampling: Sampling | None = None
             while True:
                 max_new = conv.max_new_tokens()
                 if max_new <= 0:
                     truncated, reason = True, conv.exhausted() or "max_total_tokens"
                     break
-                sampling = Sampling(
-                    max_tokens=max_new,
-                    temperature=sampling_cfg.temperature,
-                    top_p=sampling_cfg.top_p,
-                    top_k=sampling_cfg.top_k,
-                    stop_ids=eos,
-                    stop_strings=stop_strings,
-                    seed=episode_seed(seed, turn),
-                )
+                turn_seed = episode_seed(seed, turn)
+                if sampling is None or sampling.max_tokens != max_new or sampling.seed != turn_seed:
+                    sampling = Sampling(
+                        max_tokens=max_new,
+                        temperature=sampling_cfg.temperature,
+                        top_p=sampling_cfg.top_p,
+                        top_k=sampling_cfg.top_k,
+                        stop_ids=eos,
+                        stop_strings=stop_strings,
+                        seed=turn_seed,
+                    )
                 t = time.perf_counter()
                 completion = await _bounded(
                     engine.generate(conv.prompt_ids, sampling), config.generate_timeout_s, ErrorClass.ENGINE,

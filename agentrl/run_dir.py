@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -34,7 +34,7 @@ class RunDir:
         """A fresh run directory; a timestamp suffix avoids clobbering an old run."""
         path = output_dir / name
         if path.exists() and any(path.iterdir()):
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+            stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
             path = output_dir / f"{name}-{stamp}"
         path.mkdir(parents=True, exist_ok=True)
         (path / "checkpoints").mkdir(exist_ok=True)

@@ -116,6 +116,11 @@ CREATE TABLE IF NOT EXISTS trajectory_data (
 CREATE TABLE IF NOT EXISTS traj_tools (
     tool TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (tool, seq)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS step_stats (
+    step INTEGER PRIMARY KEY, count INTEGER NOT NULL, rewards INTEGER NOT NULL, reward_sum REAL NOT NULL,
+    reward_min REAL, reward_max REAL, tokens_sum INTEGER NOT NULL, errors INTEGER NOT NULL,
+    truncated INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS metrics (
     step INTEGER NOT NULL, key TEXT NOT NULL, value REAL, PRIMARY KEY (step, key)
 ) WITHOUT ROWID;
@@ -454,6 +459,17 @@ class TrajectoryStore:
                 self._insert_trajectory(traj, step=step, status=status)
             self._maybe_commit()
 
+    def set_group_step(self, group_id: str, *, step: int, status: str = "trained") -> None:
+        """Re-assign a stored group (and its trajectories) to a step, e.g. when a resumed
+        run trains again the groups whose weights were lost with the crash."""
+        with self._lock:
+            self._begin()
+            self._db.execute("UPDATE groups SET step = ?, status = ? WHERE id = ?", (step, status, group_id))
+            self._db.execute(
+                "UPDATE trajectories SET step = ?, status = ? WHERE group_id = ?", (step, status, group_id)
+            )
+            self._maybe_commit()
+
     def add_trajectory(self, traj: Trajectory, *, step: int | None, status: str) -> None:
         """Append one trajectory (status: trained, dropped, eval, ...)."""
         with self._lock:
@@ -498,6 +514,12 @@ class TrajectoryStore:
             ),
         )
         self._db.executemany("INSERT INTO traj_tools VALUES (?, ?)", [(t, seq) for t in tools])
+        if step is not None:
+            self._db.execute(
+                _STEP_STATS_UPSERT,
+                (step, 0 if reward is None else 1, reward or 0.0, reward, reward, len(traj.token_ids),
+                 int(traj.error is not None), int(traj.truncated)),
+            )  # fmt: skip
         self._db.execute("INSERT INTO traj_fts (rowid, text) VALUES (?, ?)", (seq, _search_text(traj)))
         self._pending += 1
         self._pending_trajectories += 1
@@ -695,12 +717,15 @@ class TrajectoryStore:
         return out
 
     def step_rewards(self) -> list[dict[str, JSON]]:
-        """Per step: number of trajectories and their mean/min/max reward (from the rows)."""
+        """Per step: number of trajectories, their mean/min/max reward, mean length, errors, truncations.
+
+        Kept up to date on every insert (table `step_stats`), so the overview
+        costs one row per step, not a scan of every trajectory.
+        """
         with self._lock:
             rows = self._db.execute(
-                "SELECT step, count(*), avg(reward), min(reward), max(reward), "
-                "avg(num_tokens), sum(error_class IS NOT NULL), sum(truncated) "
-                "FROM trajectories WHERE step IS NOT NULL GROUP BY step ORDER BY step"
+                "SELECT step, count, CASE WHEN rewards > 0 THEN reward_sum / rewards END, reward_min, reward_max, "
+                "CAST(tokens_sum AS REAL) / count, errors, truncated FROM step_stats ORDER BY step"
             ).fetchall()
         keys = (
             "step",
@@ -715,14 +740,19 @@ class TrajectoryStore:
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
     def distinct(self, column: Literal["env", "status", "error_class", "tool"]) -> list[str]:
-        """The values a filter column takes (for the UI's drop-downs)."""
+        """The values a filter column takes (for the UI's drop-downs).
+
+        A skip scan over the column's index: one index seek per distinct value.
+        """
+        table, col = ("traj_tools", "tool") if column == "tool" else ("trajectories", column)
+        if column not in ("env", "status", "error_class", "tool"):
+            raise ValueError(f"column={column!r}: expected env, status, error_class or tool")
+        sql = (
+            f"WITH RECURSIVE d(v) AS (SELECT min({col}) FROM {table} UNION ALL "
+            f"SELECT (SELECT min({col}) FROM {table} WHERE {col} > d.v) FROM d WHERE d.v IS NOT NULL) "
+            "SELECT v FROM d WHERE v IS NOT NULL"
+        )
         with self._lock:
-            if column == "tool":
-                sql = "SELECT DISTINCT tool FROM traj_tools ORDER BY tool"
-            elif column in ("env", "status", "error_class"):
-                sql = f"SELECT DISTINCT {column} FROM trajectories WHERE {column} IS NOT NULL ORDER BY 1"
-            else:
-                raise ValueError(f"column={column!r}: expected env, status, error_class or tool")
             return [r[0] for r in self._db.execute(sql).fetchall()]
 
     def integrity_check(self) -> str:
@@ -756,6 +786,20 @@ def resolve_store_path(path: str | Path) -> Path:
 
 # ---------------------------------------------------------------------------
 # helpers
+
+
+_STEP_STATS_UPSERT = """
+INSERT INTO step_stats VALUES (?, 1, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT(step) DO UPDATE SET
+    count = count + 1,
+    rewards = rewards + excluded.rewards,
+    reward_sum = reward_sum + excluded.reward_sum,
+    reward_min = min(coalesce(reward_min, excluded.reward_min), coalesce(excluded.reward_min, reward_min)),
+    reward_max = max(coalesce(reward_max, excluded.reward_max), coalesce(excluded.reward_max, reward_max)),
+    tokens_sum = tokens_sum + excluded.tokens_sum,
+    errors = errors + excluded.errors,
+    truncated = truncated + excluded.truncated
+"""
 
 
 def _record(row: Sequence[Any]) -> StoredTrajectory:

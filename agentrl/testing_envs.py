@@ -45,7 +45,7 @@ class TrivialEnv(Env):
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
         self._turn = 0
-        if seed is not None:
+        if seed is not None and not self.config.step_latency_s.is_zero:
             self._rng.seed(seed)
         return [Message(role="user", content=str(task.get("prompt", "go")))], {}
 

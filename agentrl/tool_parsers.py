@@ -82,6 +82,14 @@ def _guess_name(body: str) -> str:
     return match.group(1) if match else ""
 
 
+def _drop_partial_close(body: str) -> str:
+    """`body` without a trailing cut-off closing tag ("</tool_c" when generation stopped mid-tag)."""
+    at = body.rfind("</")
+    if at >= 0 and "</tool_call>".startswith(body[at:].strip()):
+        return body[:at].rstrip()
+    return body
+
+
 def _join(parts: list[str]) -> str:
     return "\n".join(p.strip() for p in parts if p.strip())
 
@@ -107,8 +115,9 @@ class HermesParser:
             if not body:
                 calls.append(ToolCall(name="", arguments={}, error="empty <tool_call></tool_call>"))
                 continue
-            call = call_from_json(body)
-            if not match.group(0).endswith("</tool_call>") and call.error:
+            closed = match.group(0).endswith("</tool_call>")
+            call = call_from_json(body if closed else _drop_partial_close(body))
+            if not closed and call.error:
                 call.error = f"unterminated <tool_call>: {call.error}"
             calls.append(call)
         outside.append(text[pos:])

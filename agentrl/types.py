@@ -27,7 +27,7 @@ def new_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-class ErrorClass(str, enum.Enum):
+class ErrorClass(enum.StrEnum):
     """Why an episode failed; the rollout manager applies a per-class policy."""
 
     ENV = "env"

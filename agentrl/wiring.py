@@ -14,8 +14,8 @@ from typing import Any
 
 from agentrl.chat import ChatTokenizer, HFChatTokenizer
 from agentrl.config import RunConfig
-from agentrl.engines.base import InferenceEngine
 from agentrl.demonstrations import demonstration_sample
+from agentrl.engines.base import InferenceEngine
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
 from agentrl.evaluation import evaluate
@@ -123,6 +123,8 @@ async def warm_start(config: RunConfig, parts: Parts, store: TrajectoryStore, lo
 def _warm_start_samples(config: RunConfig, parts: Parts) -> list[TrainSample]:
     ws = config.warm_start
     if ws.source == "store":
+        if ws.store_path is None:
+            raise ValueError("warm_start.store_path is required when warm_start.source is 'store'")
         old = TrajectoryStore(ws.store_path, readonly=True)
         try:
             return [r.trajectory.tokens() for r in old.iter_records() if r.trajectory.reward >= ws.min_reward]

@@ -13,9 +13,9 @@ during the step only (activations, temporaries, gradients incl. parameter
 .grad, which is the same for every P), not weights or inputs made before the
 step, nor memory that gloo or the allocator hold outside tensors. Peak RSS
 growth per process (ru_maxrss) is printed too as a cruder cross-check.
-Time is the median of untracked steps; the ranks share this machine's cores
-(threads per rank = cores // P, at least 1), so P > 1 is not faster here: the
-point of SP is memory per device, and its speed needs one device per rank.
+Time is the median of untracked steps with one thread per rank: P=1 uses one
+core, P=2 two, P=4 oversubscribes this 2-core machine (and other jobs share it),
+so times are indicative only: the point of SP is memory per device.
 
 Prints a table, then one summary line:
 mem_ratio_p2=<peak per rank at P=2 / P=1 at the longest T> mem_ratio_p4=... (goals <= 0.6, <= 0.35).
@@ -128,7 +128,7 @@ def _step(model: Any, batch: dict[str, torch.Tensor], groups: Any) -> None:
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(1)  # one core per rank, like one device per rank (no OpenMP contention)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     from agentrl.trainers.sequence_parallel import patch_model_for_sp, sp_setup
 
@@ -193,7 +193,7 @@ def main() -> None:
             rows += json.loads(Path(out).read_text())
 
     print(f"model: Llama hidden={args.hidden} layers={args.layers} heads=4/2kv vocab={args.vocab}; "
-          f"{os.cpu_count()} CPU cores shared by the P ranks (gloo); peak = live tensor bytes per rank")  # fmt: skip
+          f"{os.cpu_count()} CPU cores, 1 thread per rank (gloo); peak = live tensor bytes per rank")  # fmt: skip
     print(f"{'P':>2} {'T':>7} {'step_s':>8} {'peak_MiB':>9} {'vs_P1':>6} {'rss_growth_MiB':>15}")
     base = {r["T"]: r["peak_mib"] for r in rows if r["P"] == 1}
     for r in rows:

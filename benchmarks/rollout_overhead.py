@@ -25,10 +25,11 @@ from agentrl.rollout_config import RolloutConfig
 from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
 
 TURNS = 8
+ENV_CONFIG = TrivialEnvConfig(turns=TURNS)
 
 
 def make_env() -> TrivialEnv:
-    return TrivialEnv(TrivialEnvConfig(turns=TURNS))
+    return TrivialEnv(ENV_CONFIG)
 
 
 async def managed(n_groups: int) -> tuple[int, float]:

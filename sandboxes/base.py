@@ -103,7 +103,7 @@ class ExecRequest(BaseModel):
         unknown = set(body) - allowed
         if unknown:
             raise ValueError(f"unknown /run_code keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-        files = {k: base64.b64decode(v) for k, v in (body.get("files") or {}).items()}
+        files: dict[str, str | bytes] = {k: base64.b64decode(v) for k, v in (body.get("files") or {}).items()}
         return cls(
             code=body["code"],
             language=body.get("language", "python"),

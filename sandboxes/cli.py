@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-
 from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 
 BACKENDS = ("local", "docker", "e2b", "sandboxfusion")
@@ -110,9 +109,10 @@ def register(app: typer.Typer) -> None:
 
 
 def main() -> None:
+    """``python -m agentrl.sandboxes.cli build-image`` == ``agentrl sandbox build-image``."""
     app = typer.Typer()
     register(app)
-    app()
+    app(args=["sandbox", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

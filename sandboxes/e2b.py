@@ -24,9 +24,15 @@ import json
 import time
 from typing import Any
 
+from agentrl.sandboxes.base import (
+    BaseSandbox,
+    ExecRequest,
+    ExecResult,
+    LimitConfig,
+    decode_capped,
+    sandbox_error,
+)
 from pydantic import BaseModel, ConfigDict, Field
-
-from agentrl.sandboxes.base import BaseSandbox, ExecRequest, ExecResult, LimitConfig, decode_capped, sandbox_error
 
 RESULT_MARK = "__agentrl_result__ "
 

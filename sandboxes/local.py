@@ -35,9 +35,15 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from agentrl.sandboxes.base import (
+    BaseSandbox,
+    ExecRequest,
+    ExecResult,
+    LimitConfig,
+    decode_capped,
+    sandbox_error,
+)
 from pydantic import BaseModel, ConfigDict, Field
-
-from agentrl.sandboxes.base import BaseSandbox, ExecRequest, ExecResult, LimitConfig, decode_capped, sandbox_error
 
 log = logging.getLogger(__name__)
 _HDR = struct.Struct(">I")
@@ -119,21 +125,19 @@ class Cgroups:
 
     def set_limits(self, memory_bytes: int, pids: int) -> None:
         """Write limits (only when they change: each write is a syscall)."""
-        writes = {
-            "memory": ("memory.limit_in_bytes", memory_bytes),
-            "pids": ("pids.max", pids),
-            "v2": ("memory.max", memory_bytes),
-            "v2pids": ("pids.max", pids),
-        }
-        for key, (fname, value) in writes.items():
-            d = self.dirs.get(key.removesuffix("pids") if key == "v2pids" else key)
-            if d is None or self._values.get(key) == value:
+        writes = [  # (hierarchy, file, value)
+            ("memory", "memory.limit_in_bytes", memory_bytes),
+            ("pids", "pids.max", pids),
+            ("v2", "memory.max", memory_bytes),
+            ("v2", "pids.max", pids),
+        ]
+        for key, fname, value in writes:
+            d = self.dirs.get(key)
+            if d is None or self._values.get(fname) == value:
                 continue
-            try:
+            with contextlib.suppress(OSError):  # not allowed here: remembered anyway, never retried
                 (d / fname).write_text(str(value))
-                self._values[key] = value
-            except OSError:
-                self._values[key] = value  # not allowed here: do not retry every request
+            self._values[fname] = value
 
     def remove(self) -> None:
         for d in self.dirs.values():
@@ -165,10 +169,12 @@ def _preexec(procs_files: list[str], uid: int | None, gid: int | None) -> Any:
 class Worker:
     """One sandbox process running the fork server; serves one request at a time."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, cgroups: Cgroups, workdir: Path | None) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, cgroups: Cgroups, env: dict[str, str],
+                 host_dirs: tuple[Path, ...] = ()) -> None:
         self.proc = proc
         self.cgroups = cgroups
-        self.workdir = workdir  # only in unsafe mode (a host temp dir)
+        self.env = env  # the environment requests see
+        self.host_dirs = host_dirs  # unsafe mode only: its work and scratch dirs on the host
         self.uses = 0
         self.healthy = True
 
@@ -176,31 +182,29 @@ class Worker:
     async def start(cls, config: LocalConfig, server_path: Path, *, network: bool = False) -> Worker:
         cgroups = Cgroups(f"agentrl-sbx-{os.getpid()}-{next(_ids)}" if config.cgroups == "auto" else None)
         as_root = os.geteuid() == 0
-        workdir: Path | None = None
+        host_dirs: tuple[Path, ...] = ()
         if config.unsafe_local:
             workdir = Path(tempfile.mkdtemp(prefix="agentrl-unsafe-"))
             scratch = Path(tempfile.mkdtemp(prefix="agentrl-unsafe-tmp-"))
+            host_dirs = (workdir, scratch)
             if as_root:
-                for p in (workdir, scratch):
+                for p in host_dirs:
                     os.chown(p, config.uid, config.gid)
             argv = [config.python, "-I", "-S", str(server_path), "tree", str(workdir), str(scratch)]
-            env = {**SANDBOX_ENV, "HOME": str(workdir), "TMPDIR": str(scratch)}
+            request_env = {**SANDBOX_ENV, "HOME": str(workdir), "TMPDIR": str(scratch)}
         else:
             argv = [config.bwrap, *bwrap_args(config, server_path, network=network),
                     config.python, "-I", "-S", "/.agentrl/forkserver.py", "ns", "/work", "/tmp", "/dev/shm"]
-            env = {}
+            request_env = SANDBOX_ENV
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=env,
+            env={"PATH": SANDBOX_ENV["PATH"]} if config.unsafe_local else {},
             preexec_fn=_preexec(cgroups.procs_files, config.uid if as_root else None, config.gid if as_root else None),
         )
-        worker = cls(proc, cgroups, workdir)
-        if workdir is not None:
-            worker.env = {**SANDBOX_ENV, "HOME": str(workdir), "TMPDIR": env["TMPDIR"]}
-            worker.scratch = Path(env["TMPDIR"])
+        worker = cls(proc, cgroups, request_env, host_dirs)
         try:
             async with asyncio.timeout(config.startup_timeout_s):
                 hello = await worker._recv()
@@ -215,9 +219,6 @@ class Worker:
             await worker.close()
             raise RuntimeError(f"sandbox worker failed to start ({type(e).__name__}: {e}): {err.decode(errors='replace')}") from e
         return worker
-
-    env: dict[str, str] = SANDBOX_ENV
-    scratch: Path | None = None
 
     async def _recv(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -264,17 +265,14 @@ class Worker:
             if self.proc.stdin is not None:
                 with contextlib.suppress(Exception):
                     self.proc.stdin.close()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.proc.wait(), 2.0)
-            except TimeoutError:
-                pass
             self.kill()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.proc.wait(), 5.0)
         self.cgroups.remove()
-        for d in (self.workdir, self.scratch):
-            if d is not None:
-                shutil.rmtree(d, ignore_errors=True)
+        for d in self.host_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def server_message(request: ExecRequest, env: dict[str, str], nproc_rlimit: int) -> bytes:
@@ -384,7 +382,7 @@ class LocalSandbox(BaseSandbox):
         self._idle: asyncio.Queue[Worker | None] = asyncio.Queue()
         for _ in range(self.config.pool_size if self.config.mode == "pool" else 0):
             self._idle.put_nowait(None)
-        self._busy: set[Worker] = set()
+        self._live: set[Worker] = set()
         self._closing: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -393,13 +391,14 @@ class LocalSandbox(BaseSandbox):
 
     async def start(self) -> None:
         """Start every pool worker now instead of on first use."""
-        workers = []
-        for _ in range(self._idle.qsize()):
-            workers.append(self._idle.get_nowait())
-        started = await asyncio.gather(*(w if w else Worker.start(self.config, self._server) for w in workers),
+        slots = [self._idle.get_nowait() for _ in range(self._idle.qsize())]
+        kept = [w for w in slots if w is not None]
+        started = await asyncio.gather(*(Worker.start(self.config, self._server) for w in slots if w is None),
                                        return_exceptions=True)
-        for w in started:
+        for w in [*kept, *started]:
             self._idle.put_nowait(w if isinstance(w, Worker) else None)
+            if isinstance(w, Worker):
+                self._live.add(w)
         errors = [w for w in started if isinstance(w, BaseException)]
         if errors:
             raise RuntimeError(f"could not start the sandbox pool: {errors[0]}") from errors[0]
@@ -410,25 +409,27 @@ class LocalSandbox(BaseSandbox):
 
     def workers(self) -> list[Worker]:
         """Live workers (for health checks and tests)."""
-        idle = [w for w in self._idle._queue if w is not None]  # type: ignore[attr-defined]
-        return idle + list(self._busy)
+        return [w for w in self._live if w.proc.returncode is None]
+
+    async def _run_fresh(self, request: ExecRequest) -> ExecResult:
+        fresh = await Worker.start(self.config, self._server, network=request.network)
+        try:
+            return await fresh.execute(request, self.config)
+        finally:
+            await fresh.close()
 
     async def _execute(self, request: ExecRequest) -> ExecResult:
         if request.network and not self.config.allow_network:
             return sandbox_error("network access was requested but this local sandbox has allow_network: false")
         if self.config.mode == "fresh" or request.network:
-            worker = await Worker.start(self.config, self._server, network=request.network)
-            try:
-                return await worker.execute(request, self.config)
-            finally:
-                await worker.close()
+            return await self._run_fresh(request)
         async with asyncio.timeout(self.config.queue_timeout_s):
             slot = await self._idle.get()
-        worker = slot
+        worker: Worker | None = slot
         try:
             if worker is None or worker.proc.returncode is not None:
                 worker = await Worker.start(self.config, self._server)
-            self._busy.add(worker)
+                self._live.add(worker)
             result = await worker.execute(request, self.config)
         except BaseException:
             if worker is not None:
@@ -436,11 +437,11 @@ class LocalSandbox(BaseSandbox):
             raise
         finally:
             if worker is not None:
-                self._busy.discard(worker)
                 if worker.healthy and worker.uses < self.config.max_uses and worker.proc.returncode is None:
                     self._idle.put_nowait(worker)
                 else:
                     self._idle.put_nowait(None)
+                    self._live.discard(worker)
                     worker.kill()
                     task = asyncio.get_running_loop().create_task(worker.close())
                     self._closing.add(task)
@@ -451,6 +452,7 @@ class LocalSandbox(BaseSandbox):
 
     async def close(self) -> None:
         await super().close()
-        workers = self.workers()
+        workers = list(self._live)
+        self._live.clear()
         await asyncio.gather(*(w.close() for w in workers), *self._closing, return_exceptions=True)
         shutil.rmtree(self._dir, ignore_errors=True)

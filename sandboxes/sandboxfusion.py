@@ -13,9 +13,8 @@ import base64
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from agentrl.sandboxes.base import BaseSandbox, ExecRequest, ExecResult, LimitConfig, sandbox_error
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class SandboxFusionConfig(BaseModel):
@@ -50,7 +49,7 @@ def from_body(body: dict[str, Any], request: ExecRequest, wall_s: float) -> Exec
     """A ``/run_code`` response as our result."""
     run = body.get("run_result") or {}
     compile_ = body.get("compile_result") or {}
-    if body.get("status") == "SandboxError" or not run and not compile_:
+    if body.get("status") == "SandboxError" or (not run and not compile_):
         return sandbox_error(f"sandboxfusion: {body.get('message') or body!r}"[:2000], wall_s=wall_s)
     cap = request.max_output_bytes
     raw_out = (run.get("stdout") or "").encode()

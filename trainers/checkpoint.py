@@ -91,9 +91,8 @@ def _save_model(trainer: TorchTrainer, out: Path) -> None:
 
 def _save_merged(trainer: TorchTrainer, out: Path) -> None:
     """A plain HF model dir holding the LoRA-merged weights."""
-    from transformers import AutoModelForCausalLM
-
     from agentrl.trainers.weights import hf_named_tensors
+    from transformers import AutoModelForCausalLM
 
     base_config = trainer.model.get_base_model().config  # type: ignore[operator]
     merged = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)
@@ -133,7 +132,9 @@ def _load_model(trainer: TorchTrainer, path: Path) -> None:
     tied = _tied_names(trainer.model)
     bad_missing = [m for m in missing if m not in tied]
     if bad_missing or unexpected:
-        raise RuntimeError(f"{path}/model does not match the model: missing={bad_missing} unexpected={unexpected}")
+        raise RuntimeError(
+            f"{path}/model does not match the model: missing={bad_missing} unexpected={unexpected}"
+        )
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:

@@ -11,12 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
-
 from agentrl.trainers.config import CriticConfig
 from agentrl.trainers.distributed import World, maybe_no_sync, wrap
 from agentrl.trainers.losses import value_loss
 from agentrl.trainers.packing import PackedBatch
+from torch import nn
 
 
 class ValueModel(nn.Module):
@@ -30,7 +29,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = self.backbone(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         v = self.head(hidden[0, :-1]).squeeze(-1).float()
         v = torch.cat([v.new_zeros(1), v])
         return v.masked_fill(position_ids[0] == 0, 0.0)

@@ -22,6 +22,7 @@ everywhere else the pure-torch path below runs (gloo on CPU, nccl on GPU).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import math
@@ -107,6 +108,7 @@ class ZigzagLayout:
         """Index into the unpadded packed batch of every token of `rank`'s shard; -1 for padding."""
         return self._index(rank)[0]
 
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - the layout is a small frozen value; callers never mutate
     def _index(self, rank: int) -> tuple[Tensor, Tensor]:
         if not 0 <= rank < self.sp_size:
             raise ValueError(f"rank must be in [0, {self.sp_size}), got {rank}")
@@ -332,7 +334,114 @@ def _heads_first(x: Tensor) -> Tensor:
     return x.transpose(0, 1).to(torch.float32).contiguous()
 
 
+def _ring_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    group: dist.ProcessGroup | None,
+    scale: float,
+    q_chunk: int,
+) -> tuple[Tensor, Tensor]:
+    """Forward ring: returns the output (L, H, D) in q's dtype and the fp32 log-sum-exp (H, L)."""
+    ring = _Ring(group)
+    plan = _Plan.build(cu_seqlens, ring.size, q.device)
+    qf = _heads_first(q)
+    kv = torch.stack([k.transpose(0, 1), v.transpose(0, 1)]).contiguous()  # travels in the input dtype
+    out = lse = None
+    for step in range(ring.size):
+        pending = ring.start(kv) if step + 1 < ring.size else None
+        src = (ring.rank - step) % ring.size
+        kf, vf = kv[0].float(), kv[1].float()
+        if step == 0:
+            out, lse = _block_forward(qf, kf, vf, plan.full, plan.full, True, scale, q_chunk)
+        elif src < ring.rank:  # their chunk src precedes both of ours: all queries, their first halves
+            o, s = _block_forward(
+                qf, kf[:, plan.first], vf[:, plan.first], plan.full, plan.half, False, scale, q_chunk
+            )
+            _merge(out, lse, o, s, None)  # type: ignore[arg-type]
+        else:  # both their chunks precede our second chunk only
+            o, s = _block_forward(qf[:, plan.second], kf, vf, plan.half, plan.full, False, scale, q_chunk)
+            _merge(out, lse, o, s, plan.second)  # type: ignore[arg-type]
+        if pending is not None:
+            kv, reqs = pending
+            ring.wait(reqs)
+    assert out is not None and lse is not None
+    return out.transpose(0, 1).to(q.dtype), lse
+
+
+def _ring_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    group: dist.ProcessGroup | None,
+    scale: float,
+    q_chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward ring: K/V go around again with their dK/dV accumulators, which end at their owners."""
+    ring = _Ring(group)
+    plan = _Plan.build(cu_seqlens, ring.size, q.device)
+    qf, dof = _heads_first(q), _heads_first(grad_out)
+    delta = (dof * _heads_first(out)).sum(-1)  # (H, L)
+    kv = torch.stack([k.transpose(0, 1), v.transpose(0, 1)]).contiguous()
+    dq = torch.zeros_like(qf)
+    dkv: Tensor | None = None
+    dkv_pending: tuple[Tensor, list[Any]] | None = None
+    for step in range(ring.size):
+        kv_pending = ring.start(kv) if step + 1 < ring.size else None
+        src = (ring.rank - step) % ring.size
+        kf, vf = kv[0].float(), kv[1].float()
+        part = torch.zeros(2, *kf.shape, dtype=torch.float32, device=q.device)
+        if step == 0:
+            dq_b, dk_b, dv_b = _block_backward(
+                qf, kf, vf, lse, dof, delta, plan.full, plan.full, True, scale, q_chunk
+            )
+            dq += dq_b
+            part[0], part[1] = dk_b, dv_b
+        elif src < ring.rank:
+            f = plan.first
+            dq_b, dk_b, dv_b = _block_backward(
+                qf, kf[:, f], vf[:, f], lse, dof, delta, plan.full, plan.half, False, scale, q_chunk
+            )
+            dq += dq_b
+            part[0][:, f], part[1][:, f] = dk_b, dv_b
+        else:
+            sec = plan.second
+            dq_b, dk_b, dv_b = _block_backward(
+                qf[:, sec], kf, vf, lse[:, sec], dof[:, sec], delta[:, sec],
+                plan.half, plan.full, False, scale, q_chunk,
+            )  # fmt: skip
+            dq[:, sec] += dq_b
+            part[0], part[1] = dk_b, dv_b
+        # The accumulator for the block we just processed arrives from the previous rank.
+        if dkv_pending is not None:
+            acc, reqs = dkv_pending
+            ring.wait(reqs)
+            part += acc
+        dkv = part
+        if ring.size > 1:  # pass it on; after the last step it lands on the block's owner
+            dkv_pending = ring.start(dkv)
+        if kv_pending is not None:
+            kv, reqs = kv_pending
+            ring.wait(reqs)
+    if dkv_pending is not None:
+        dkv, reqs = dkv_pending
+        ring.wait(reqs)
+    assert dkv is not None
+    return (
+        dq.transpose(0, 1).to(q.dtype),
+        dkv[0].transpose(0, 1).to(k.dtype),
+        dkv[1].transpose(0, 1).to(v.dtype),
+    )
+
+
 class _RingAttention(torch.autograd.Function):
+    """Autograd wrapper; autocast is switched off inside so blocks and merges stay in fp32."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -344,91 +453,20 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         q_chunk: int,
     ) -> Tensor:
-        ring = _Ring(group)
-        plan = _Plan.build(cu_seqlens, ring.size, q.device)
-        qf = _heads_first(q)
-        kv = torch.stack([k.transpose(0, 1), v.transpose(0, 1)]).contiguous()  # travels in the input dtype
-        out = lse = None
-        for step in range(ring.size):
-            pending = ring.start(kv) if step + 1 < ring.size else None
-            src = (ring.rank - step) % ring.size
-            kf, vf = kv[0].float(), kv[1].float()
-            if step == 0:
-                out, lse = _block_forward(qf, kf, vf, plan.full, plan.full, True, scale, q_chunk)
-            elif src < ring.rank:  # their chunk src precedes both of ours: all queries, their first halves
-                o, s = _block_forward(
-                    qf, kf[:, plan.first], vf[:, plan.first], plan.full, plan.half, False, scale, q_chunk
-                )
-                _merge(out, lse, o, s, None)  # type: ignore[arg-type]
-            else:  # both their chunks precede our second chunk only
-                o, s = _block_forward(qf[:, plan.second], kf, vf, plan.half, plan.full, False, scale, q_chunk)
-                _merge(out, lse, o, s, plan.second)  # type: ignore[arg-type]
-            if pending is not None:
-                kv, reqs = pending
-                ring.wait(reqs)
-        assert out is not None and lse is not None
-        result = out.transpose(0, 1).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse, cu_seqlens)
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(q, k, v, cu_seqlens, group, scale, q_chunk)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.group, ctx.scale, ctx.q_chunk = group, scale, q_chunk
-        return result
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        scale, q_chunk = ctx.scale, ctx.q_chunk
-        ring = _Ring(ctx.group)
-        plan = _Plan.build(cu_seqlens, ring.size, q.device)
-        qf, dof = _heads_first(q), _heads_first(grad_out)
-        delta = (dof * _heads_first(out)).sum(-1)  # (H, L)
-        kv = torch.stack([k.transpose(0, 1), v.transpose(0, 1)]).contiguous()
-        dq = torch.zeros_like(qf)
-        dkv: Tensor | None = None
-        dkv_pending: tuple[Tensor, list[Any]] | None = None
-        for step in range(ring.size):
-            kv_pending = ring.start(kv) if step + 1 < ring.size else None
-            src = (ring.rank - step) % ring.size
-            kf, vf = kv[0].float(), kv[1].float()
-            part = torch.zeros(2, *kf.shape, dtype=torch.float32, device=q.device)
-            if step == 0:
-                dq_b, dk_b, dv_b = _block_backward(
-                    qf, kf, vf, lse, dof, delta, plan.full, plan.full, True, scale, q_chunk
-                )
-                dq += dq_b
-                part[0], part[1] = dk_b, dv_b
-            elif src < ring.rank:
-                f = plan.first
-                dq_b, dk_b, dv_b = _block_backward(
-                    qf, kf[:, f], vf[:, f], lse, dof, delta, plan.full, plan.half, False, scale, q_chunk
-                )
-                dq += dq_b
-                part[0][:, f], part[1][:, f] = dk_b, dv_b
-            else:
-                sec = plan.second
-                dq_b, dk_b, dv_b = _block_backward(
-                    qf[:, sec], kf, vf, lse[:, sec], dof[:, sec], delta[:, sec],
-                    plan.half, plan.full, False, scale, q_chunk,
-                )  # fmt: skip
-                dq[:, sec] += dq_b
-                part[0], part[1] = dk_b, dv_b
-            # The accumulator for the block we just processed arrives from the previous rank.
-            if dkv_pending is not None:
-                acc, reqs = dkv_pending
-                ring.wait(reqs)
-                part += acc
-            dkv = part
-            if ring.size > 1:  # pass it on; after the last step it lands on the block's owner
-                dkv_pending = ring.start(dkv)
-            if kv_pending is not None:
-                kv, reqs = kv_pending
-                ring.wait(reqs)
-        if dkv_pending is not None:
-            dkv, reqs = dkv_pending
-            ring.wait(reqs)
-        assert dkv is not None
-        dq_out = dq.transpose(0, 1).to(q.dtype)
-        dk_out = dkv[0].transpose(0, 1).to(k.dtype)
-        dv_out = dkv[1].transpose(0, 1).to(v.dtype)
-        return dq_out, dk_out, dv_out, None, None, None, None
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(
+                grad_out, q, k, v, out, lse, cu_seqlens, ctx.group, ctx.scale, ctx.q_chunk
+            )
+        return dq, dk, dv, None, None, None, None
 
 
 # --------------------------------------------------------------------------- public API
@@ -459,8 +497,8 @@ def ring_attention(
             size P > 1 every local sequence holds its two zigzag chunks, so every length is even.
         group: the SP process group; None (or size 1) means plain single-process attention.
         scale: softmax scale, default 1/sqrt(D).
-        backend: "auto" uses ring-flash-attn for CUDA tensors when it is installed and the pure-torch
-            ring otherwise; "torch" / "flash" force one.
+        backend: "auto" uses ring-flash-attn for fp16/bf16 CUDA tensors when it is installed and the
+            pure-torch ring otherwise; "torch" / "flash" force one.
         q_chunk: query rows per score tile of the torch path (bounds its transient memory).
 
     Returns (L, H, D) in q's dtype. Differentiable in q, k and v. All ranks of `group` must call
@@ -479,13 +517,14 @@ def ring_attention(
     if q_chunk < 1:
         raise ValueError(f"q_chunk must be >= 1, got {q_chunk}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    use_flash = backend == "flash" or (backend == "auto" and q.is_cuda and flash_backend_available())
-    if use_flash:
-        return _flash_ring_attention(q, k, v, cu_seqlens, group, scale)
-    if backend not in ("auto", "torch"):
+    half = q.dtype in (torch.float16, torch.bfloat16)  # flash kernels take 16-bit inputs only
+    use_flash = backend == "flash" or (backend == "auto" and q.is_cuda and half and flash_backend_available())
+    if backend not in ("auto", "torch", "flash"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'flash', got {backend!r}")
     if group is not None and dist.get_world_size(group) == 1:
         group = None
+    if use_flash:
+        return _flash_ring_attention(q, k, v, cu_seqlens, group, scale)
     out: Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
         q, k, v, cu_seqlens.to(torch.long), group, scale, q_chunk
     )
@@ -495,14 +534,22 @@ def ring_attention(
 def _flash_ring_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group: dist.ProcessGroup | None, scale: float
 ) -> Tensor:
+    """ring-flash-attn's zigzag varlen ring (same layout); plain flash-attn varlen without a group."""
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
     try:
+        if group is None:
+            from flash_attn import flash_attn_varlen_func
+
+            single: Tensor = flash_attn_varlen_func(
+                q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=scale, causal=True
+            )
+            return single
         from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(
             "backend='flash' needs the ring-flash-attn package (and flash-attn) on CUDA"
         ) from exc
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
     out: Tensor = zigzag_ring_flash_attn_varlen_func(
         q, k, v, cu, max_len, dropout_p=0.0, softmax_scale=scale, causal=True, group=group
     )

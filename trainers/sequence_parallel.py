@@ -250,11 +250,30 @@ def gather_logprobs(local_logprobs: Tensor, shard: SPShard) -> Tensor:
 
 
 @torch.no_grad()
-def reduce_gradients(params: Iterable[torch.nn.Parameter], groups: SPGroups) -> None:
-    """Sum gradients over the SP group (each rank holds its tokens' share), then average over DP."""
+def reduce_gradients(
+    params: Iterable[torch.nn.Parameter], groups: SPGroups, *, bucket_bytes: int = 64 * 2**20
+) -> None:
+    """Sum gradients over the SP group (each rank holds its tokens' share), then average over DP.
+
+    Gradients are flattened into buckets of about `bucket_bytes` (one all-reduce per bucket and
+    group) so the extra memory stays bounded for large models.
+    """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads or groups.world_size == 1:
         return
+    bucket: list[Tensor] = []
+    size = 0
+    for g in grads:
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        if size >= bucket_bytes:
+            _reduce_bucket(bucket, groups)
+            bucket, size = [], 0
+    if bucket:
+        _reduce_bucket(bucket, groups)
+
+
+def _reduce_bucket(grads: list[Tensor], groups: SPGroups) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     if groups.sp_group is not None:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.sp_group)

@@ -26,8 +26,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch import nn
-
 from agentrl.trainers.config import TrainerConfig
 from agentrl.trainers.distributed import (
     World,
@@ -49,6 +47,8 @@ from agentrl.trainers.losses import PolicyLossInputs, aggregation_weights, kl_es
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
 from agentrl.trainers.packing import PackedBatch, pack, pack_all, padding_stats
 from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+from torch import nn
+
 from agentrl.types import Group, TrainSample
 
 
@@ -71,7 +71,9 @@ class TorchTrainer:
     ) -> None:
         from agentrl.engines.models import resolve_model
 
-        self.config = config if isinstance(config, TrainerConfig) else TrainerConfig.model_validate(dict(config or {}))
+        self.config = (
+            config if isinstance(config, TrainerConfig) else TrainerConfig.model_validate(dict(config or {}))
+        )
         self.model_path = resolve_model(model_path)
         self.device = device
         self.sp_groups: Any = self._sequence_parallel() if self.config.sequence_parallel_size > 1 else None
@@ -165,7 +167,9 @@ class TorchTrainer:
         """SP x DP process groups for ring attention (agentrl.trainers.sequence_parallel)."""
         size = self.config.sequence_parallel_size
         if self.config.advantage == "gae":
-            raise TrainerConfigError(f"trainer.sequence_parallel_size={size} does not support advantage='gae' yet")
+            raise TrainerConfigError(
+                f"trainer.sequence_parallel_size={size} does not support advantage='gae' yet"
+            )
         try:
             from agentrl.trainers.sequence_parallel import sp_setup
         except ImportError as e:
@@ -200,9 +204,16 @@ class TorchTrainer:
     # ------------------------------------------------------------------ helpers
     def _autocast(self) -> AbstractContextManager[Any]:
         dev = torch.device(self.device).type
-        return torch.autocast(dev, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None)
+        return torch.autocast(
+            dev, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+        )
 
-    def _pack(self, input_ids: Sequence[Sequence[int]], fields: Mapping[str, Sequence[torch.Tensor]], subset: Sequence[int]) -> list[PackedBatch]:
+    def _pack(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        fields: Mapping[str, Sequence[torch.Tensor]],
+        subset: Sequence[int],
+    ) -> list[PackedBatch]:
         if not subset:
             return []
         return pack_all(
@@ -217,10 +228,14 @@ class TorchTrainer:
     def _dummy_batch(self, fields: Sequence[str]) -> PackedBatch:
         """A 2-token batch with loss mask 0: keeps DDP's collective calls matched on an idle rank."""
         ids = [[self.pad_id, self.pad_id]]
-        return pack(ids, {f: [torch.zeros(2)] for f in fields}, [0], pad_to_multiple_of=self.config.pad_to_multiple_of)
+        return pack(
+            ids, {f: [torch.zeros(2)] for f in fields}, [0], pad_to_multiple_of=self.config.pad_to_multiple_of
+        )
 
     @torch.no_grad()
-    def _aux_logprobs(self, model: nn.Module, batches: Sequence[PackedBatch], disable_adapter: bool = False) -> dict[int, torch.Tensor]:
+    def _aux_logprobs(
+        self, model: nn.Module, batches: Sequence[PackedBatch], disable_adapter: bool = False
+    ) -> dict[int, torch.Tensor]:
         """No-grad logprobs per sample index for `batches` (reference or proximal pass)."""
         out: dict[int, torch.Tensor] = {}
         was_training = model.training
@@ -286,11 +301,15 @@ class TorchTrainer:
         kl_pen = None
         if cfg.kl.enabled and cfg.kl.in_reward:
             flat_pen = [
-                cfg.kl.coef * kl_estimate(base["behaviour_logprobs"][i], ref[i], cfg.kl.estimator) * base["loss_mask"][i]
+                cfg.kl.coef
+                * kl_estimate(base["behaviour_logprobs"][i], ref[i], cfg.kl.estimator)
+                * base["loss_mask"][i]
                 for i in range(len(samples))
             ]
             kl_pen = _nest(flat_pen, nested)
-            metrics["kl/in_reward_mean"] = float(torch.cat(flat_pen).sum() / max(float(torch.cat(base["loss_mask"]).sum()), 1.0))
+            metrics["kl/in_reward_mean"] = float(
+                torch.cat(flat_pen).sum() / max(float(torch.cat(base["loss_mask"]).sum()), 1.0)
+            )
         adv = compute_advantages(
             nested,
             cfg.advantage,
@@ -365,7 +384,12 @@ class TorchTrainer:
             f = b.fields
             lengths = torch.tensor([seq_len.get(i, 0) for i in b.sample_indices] + [1], dtype=torch.float32)
             agg = aggregation_weights(
-                f["loss_mask"], b.seq_ids, cfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, seq_lengths=lengths
+                f["loss_mask"],
+                b.seq_ids,
+                cfg.loss_agg,
+                num_seqs=num_seqs,
+                num_tokens=num_tokens,
+                seq_lengths=lengths,
             )
             with maybe_no_sync(self.logprob_module, sync=k == len(batches) - 1):
                 with self._autocast():
@@ -445,7 +469,9 @@ class TorchTrainer:
 
             reduce_gradients([p for p in self.model.parameters() if p.requires_grad], self.sp_groups)
 
-    def _padding_metrics(self, batches: Sequence[PackedBatch], ids: Sequence[Sequence[int]]) -> dict[str, float]:
+    def _padding_metrics(
+        self, batches: Sequence[PackedBatch], ids: Sequence[Sequence[int]]
+    ) -> dict[str, float]:
         lengths = [len(x) for x in ids]
         local = padding_stats(batches, lengths) if batches else {}
         vec = torch.tensor(
@@ -467,11 +493,18 @@ class TorchTrainer:
         }
 
     def _finish(
-        self, sums: dict[str, float], stats: MismatchStats, updates: int, num_samples: int, pack_metrics: dict[str, float]
+        self,
+        sums: dict[str, float],
+        stats: MismatchStats,
+        updates: int,
+        num_samples: int,
+        pack_metrics: dict[str, float],
     ) -> dict[str, float]:
         out = {k: v / updates for k, v in sums.items()}
         merged = all_reduce_sum(stats.as_tensor(), self.world)
-        maxes = all_reduce_max(torch.tensor([stats.max_abs_dlogp, stats.staleness_max], dtype=torch.float64), self.world)
+        maxes = all_reduce_max(
+            torch.tensor([stats.max_abs_dlogp, stats.staleness_max], dtype=torch.float64), self.world
+        )
         stats.merge_(merged)
         stats.max_abs_dlogp, stats.staleness_max = (float(x) for x in maxes.tolist())
         out |= stats.metrics()
@@ -516,7 +549,9 @@ class TorchTrainer:
         }
 
     # ------------------------------------------------------------------ state
-    def state_for_engines(self, *, dtype: torch.dtype | None = None, bucket_mb: float | None = None) -> NamedTensorBuckets:
+    def state_for_engines(
+        self, *, dtype: torch.dtype | None = None, bucket_mb: float | None = None
+    ) -> NamedTensorBuckets:
         """The current weights as HF-named tensors in buckets (LoRA merged)."""
         return NamedTensorBuckets(
             lambda: hf_named_tensors(self.model),

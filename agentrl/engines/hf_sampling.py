@@ -34,8 +34,11 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     likely token of a row is always kept.
     """
     vocab = scaled.shape[-1]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)
+    if bool((top_k > 0).all()):  # only the top max(k) candidates can survive: topk, not a full sort
+        sorted_logits, order = scaled.topk(min(int(top_k.max()), vocab), dim=-1)
+    else:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(sorted_logits.shape[-1], device=scaled.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
     remove = ranks >= k
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
@@ -45,7 +48,7 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         remove = before > top_p.unsqueeze(1)
         remove[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+    return torch.full_like(scaled, float("-inf")).scatter_(1, order, sorted_logits)
 
 
 def sample_rows(

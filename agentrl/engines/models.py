@@ -75,7 +75,7 @@ def _convert_gguf_alias(alias: GGUFAlias, target: Path) -> None:
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = torch.float32
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         model.load_state_dict(state, strict=False)
         model.tie_weights()
         out = Path(tmp) / "model"

@@ -7,6 +7,12 @@ step the env's messages are compared with the stored messages that followed
 that assistant turn, and the step reward with the stored turn reward; at the
 end the summed env reward with the stored reward. Nothing is written anywhere.
 
+This mirrors `run_episode`: the reward is the sum of the step rewards, each
+turn keeps the reward of the step that answered it, and the rollout keeps
+neither the messages of the final step nor those that no longer fitted the
+token budget (so a last turn without stored messages is not compared). A tool
+output the rollout cut to `max_tool_output_tokens` matches when the stored
+head and tail around the truncation marker match the replayed output.
 A rollout may put messages before the env's opening ones (a tools system
 prompt, demonstrations), so the reset check only asks that the stored opening
 *ends with* what `reset` returned.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +38,7 @@ class StepCheck:
 
     turn: int | None
     ok: bool
+    messages_ok: bool
     stored: list[dict[str, JSON]]
     replayed: list[dict[str, JSON]]
     reward_stored: float | None = None
@@ -104,38 +112,45 @@ async def recheck(
         async with asyncio.timeout(timeout_s):
             obs, _info = await env.reset(dict(traj.task), seed=traj.seed)
         want = opening[len(opening) - len(obs) :] if len(obs) <= len(opening) else opening
+        same = _same(want, obs)
         report.steps.append(
-            StepCheck(turn=None, ok=_same(want, obs), stored=_dicts(want), replayed=_dicts(obs), note="reset")
+            StepCheck(
+                turn=None, ok=same, messages_ok=same, stored=_dicts(want), replayed=_dicts(obs), note="reset"
+            )
         )
         total = 0.0
         terminated = False
         for k, (action, stored_obs) in enumerate(replies):
             if terminated:
-                report.steps.append(StepCheck(turn=k, ok=False, stored=_dicts(stored_obs), replayed=[],
-                                              note="the env had already terminated"))  # fmt: skip
+                report.steps.append(StepCheck(turn=k, ok=False, messages_ok=False, stored=_dicts(stored_obs),
+                                              replayed=[], note="the env had already terminated"))  # fmt: skip
                 break
             async with asyncio.timeout(timeout_s):
                 result = await env.step(action)
             total += result.reward
             terminated = result.terminated or result.truncated
             stored_reward = traj.turns[k].reward if k < len(traj.turns) else None
-            obs_ok = _same(stored_obs, result.messages) if stored_obs or not terminated else True
+            last = k == len(replies) - 1
+            obs_ok = True if last and not stored_obs else _same(stored_obs, result.messages)
             reward_ok = stored_reward is None or _close(stored_reward, result.reward, reward_tol)
             report.steps.append(
                 StepCheck(
                     turn=k,
                     ok=obs_ok and reward_ok,
+                    messages_ok=obs_ok,
                     stored=_dicts(stored_obs),
                     replayed=_dicts(result.messages),
                     reward_stored=stored_reward,
                     reward_replayed=result.reward,
-                    note="" if obs_ok else "observations differ",
+                    note=("" if obs_ok else "observations differ") + ("" if reward_ok else " reward differs"),
                 )
             )
         report.reward_replayed = total
         report.terminated_replayed = terminated
-        report.observations_ok = all(s.ok for s in report.steps)
-        report.reward_ok = _close(traj.reward, total, reward_tol)
+        report.observations_ok = all(s.messages_ok for s in report.steps)
+        report.reward_ok = _close(traj.reward, total, reward_tol) and all(
+            s.ok or not s.messages_ok for s in report.steps
+        )
         report.ok = report.observations_ok and report.reward_ok
     except TimeoutError:
         report.error = f"the env did not answer within {timeout_s:g} s"
@@ -167,8 +182,24 @@ def _dicts(messages: Sequence[Message]) -> list[dict[str, JSON]]:
     return [m.to_dict() for m in messages]
 
 
-def _same(a: Sequence[Message], b: Sequence[Message]) -> bool:
-    return _dicts(a) == _dicts(b)
+_MARKER = re.compile(r"\n\.\.\.\[\d+ tokens truncated\]\.\.\.\n")
+
+
+def _same(stored: Sequence[Message], replayed: Sequence[Message]) -> bool:
+    if len(stored) != len(replayed):
+        return False
+    return all(_same_message(s, r) for s, r in zip(stored, replayed, strict=True))
+
+
+def _same_message(stored: Message, replayed: Message) -> bool:
+    a, b = stored.to_dict(), replayed.to_dict()
+    if a == b:
+        return True
+    parts = _MARKER.split(stored.content)
+    if stored.role != "tool" or len(parts) != 2 or {**a, "content": ""} != {**b, "content": ""}:
+        return False
+    head, tail = parts[0].rstrip("\ufffd"), parts[1].lstrip("\ufffd")  # a cut may split a character
+    return replayed.content.startswith(head) and replayed.content.endswith(tail)
 
 
 def _close(a: float, b: float, tol: float) -> bool:

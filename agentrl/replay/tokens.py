@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from agentrl.types import JSON, Trajectory
@@ -52,9 +53,14 @@ class TokenDecoder:
             return cls(SimpleChatTokenizer().decode, "simple")
         try:
             from agentrl.chat import HFChatTokenizer
-            from agentrl.engines.models import resolve_model
+            from agentrl.engines.models import ALIASES, cache_root
 
-            return cls(HFChatTokenizer.from_pretrained(resolve_model(spec)).decode, spec)
+            path = Path(spec).expanduser()
+            if not path.is_dir():  # only what is on disk: never a hub download or a model conversion
+                path = cache_root() / "models" / spec.lower()
+                if spec.lower() not in ALIASES or not (path / "config.json").exists():
+                    return cls(None, f"none ({spec!r} is not on this machine)")
+            return cls(HFChatTokenizer.from_pretrained(str(path)).decode, spec)
         except Exception as e:  # any failure just means "show ids"
             log.warning("replay: cannot load tokenizer %r (%s); showing token ids", spec, e)
             return cls(None, f"none ({spec!r} not loadable)")

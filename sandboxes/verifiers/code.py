@@ -29,10 +29,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.rewards import RewardResult
-from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 from agentrl.types import Message
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -43,8 +43,8 @@ def extract_code(text: str) -> str:
     blocks = _FENCE.findall(text)
     if not blocks:
         return text.strip()
-    tagged = [code for lang, code in blocks if lang.lower() in ("python", "py", "python3")]
-    return (tagged or [code for _, code in blocks])[-1].strip() + "\n"
+    tagged = [str(code) for lang, code in blocks if lang.lower() in ("python", "py", "python3")]
+    return (tagged or [str(code) for _, code in blocks])[-1].strip() + "\n"
 
 
 def _normalize(out: str) -> str:

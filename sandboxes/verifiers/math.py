@@ -22,10 +22,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.rewards import RewardResult
-from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
 from agentrl.types import Message
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
@@ -142,7 +142,7 @@ class MathConfig(BaseModel):
 
 
 class MathVerifier:
-    """``math`` reward plugin; see the module docstring. Call :meth:`close` when done."""
+    """``math`` reward plugin; see the module docstring. ``await close()`` when done."""
 
     Config = MathConfig
 
@@ -182,5 +182,6 @@ class MathVerifier:
         value = float(correct) * (1.0 if formatted else self.config.unformatted_credit)
         return RewardResult(value, {"correct": float(correct), "formatted": float(formatted)}, info)
 
-    def close(self) -> None:
-        self.pool.close()
+    async def close(self) -> None:
+        """Stop the worker processes."""
+        await self.pool.close()

@@ -143,18 +143,24 @@ class ProcessPool:
                 if worker is not None:
                     self._all.discard(worker)
                     worker.kill()
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(worker.proc.wait(), 10)
                     self.restarts += 1
                 queue.put_nowait(None)
         if kind == "error":
             raise WorkerError(value)
         return value
 
-    def close(self) -> None:
-        """Kill every worker (no await needed: the event loop reaps them)."""
-        for w in list(self._all):
-            w.kill()
+    async def close(self) -> None:
+        """Kill every worker and reap it (in the loop that started it)."""
+        workers = list(self._all)
         self._all.clear()
         self._idle = None
+        for w in workers:
+            w.kill()
+        for w in workers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(w.proc.wait(), 10)
 
 
 if __name__ == "__main__":

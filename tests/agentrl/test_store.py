@@ -352,7 +352,19 @@ def test_groups_metrics_and_cursors(synthetic: tuple[Path, list[Trajectory]]) ->
         assert all(canon(t) == canon(original[t.id]) for g in after for t in g.trajectories)
         assert store.distinct("env") == ["calculator", "python_sandbox", "search_qa"]
         assert "lookup" in store.distinct("tool")
-        assert [r["step"] for r in store.step_rewards()] == [1, 2, 3, 4, 5, 6]
+        rows = store.step_rewards()
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+        for row in rows:
+            mine = [t for t in trajs if STEPS[t.id] == row["step"]]
+            rewards = [t.reward for t in mine]
+            assert row["count"] == len(mine) == 20
+            assert row["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+            assert (row["reward_min"], row["reward_max"]) == (min(rewards), max(rewards))
+            assert row["length_mean"] == pytest.approx(sum(len(t.token_ids) for t in mine) / len(mine))
+            assert row["errors"] == sum(t.error is not None for t in mine)
+            assert row["truncated"] == sum(t.truncated for t in mine)
+        assert store.distinct("error_class") == sorted({t.error.kind.value for t in trajs if t.error})
+        assert store.distinct("status") == ["dropped", "eval", "trained"]
 
 
 def test_metrics_keep_last_value_and_nan(tmp_path: Path) -> None:

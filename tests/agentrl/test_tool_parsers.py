@@ -73,6 +73,8 @@ def test_hermes_unterminated_call() -> None:
     ok = HermesParser().parse('Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n')
     assert ok.tool_calls[0].error is None and ok.tool_calls[0].arguments == {"x": 1}
     assert ok.content == "Sure."
+    mid_tag = HermesParser().parse('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_c')
+    assert mid_tag.tool_calls[0].error is None and mid_tag.tool_calls[0].arguments == {"x": 1}
     cut = HermesParser().parse('<tool_call>\n{"name": "f", "argum')
     assert cut.tool_calls[0].error is not None and "unterminated" in cut.tool_calls[0].error
 

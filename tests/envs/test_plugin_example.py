@@ -81,3 +81,31 @@ except Exception as e:
     reward = float(out.split("reward ")[1].split()[0])
     assert reward >= 0.25  # binary search over 16 numbers finds it within 4 guesses
     assert "hihg" in out.split("error", 1)[1]
+
+
+def test_agentrl_train_runs_steps_on_the_plugin_env(
+    installed: dict[str, str], tiny_llama_path: str, tmp_path: Path
+) -> None:
+    """The README's `agentrl train` on the plugin's YAML, shrunk: tiny random model, 2 steps."""
+    out = run(
+        installed, sys.executable, "-m", "agentrl.cli", "train", str(EXAMPLE / "guess.yaml"),
+        f"model.path={tiny_llama_path}", f"run.output_dir={tmp_path}", "run.steps=2", "run.eval_every=0",
+        "rollout.group_size=2", "rollout.groups_per_step=1", "rollout.max_turns=2",
+        "rollout.max_new_tokens_per_turn=8",
+    )
+    run_dir = tmp_path / "guess-number"
+    assert str(run_dir) in out and (run_dir / "checkpoints" / "step-000002").is_dir()
+    metrics = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(metrics) >= 2
+
+    from agentrl.store import TrajectoryStore
+
+    store = TrajectoryStore(run_dir / "trajectories.sqlite", readonly=True)
+    try:
+        rows = store.query(limit=100)
+        assert rows and {r["env"] for r in rows} == {"guess_number"}
+        trajectory = store.get_trajectory(rows[0]["id"])
+        assert trajectory.messages[0].content.startswith("I picked an integer between 1 and 20")
+        assert trajectory.num_sampled_tokens > 0
+    finally:
+        store.close()

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from agentrl.sandboxes.base import ExecRequest
 
 DOCKER_ENV_FILE = Path("/run/agentrl/docker.env")
@@ -124,9 +123,8 @@ class ServerThread:
 
 
 async def _local_backed_app(routes: Callable[[Any, Any], None]) -> Any:
-    from aiohttp import web
-
     from agentrl.sandboxes.local import LocalConfig, LocalSandbox
+    from aiohttp import web
 
     app = web.Application(client_max_size=256 << 20)
     state: dict[str, Any] = {}
@@ -215,13 +213,13 @@ async def open_backend(name: str, request: pytest.FixtureRequest) -> AsyncIterat
         from agentrl.sandboxes.local import LocalConfig, LocalSandbox
 
         sb: Any = LocalSandbox(LocalConfig(pool_size=2))
-    elif name == "docker":
+    elif name in ("docker", "docker-server"):
         reason = request.getfixturevalue("docker_reason")
         if reason:
             pytest.skip(reason)
         from agentrl.sandboxes.docker import DockerConfig, DockerSandbox
 
-        sb = DockerSandbox(DockerConfig(pool_size=2))
+        sb = DockerSandbox(DockerConfig(pool_size=2, mode="server" if name == "docker-server" else "exec"))
     elif name == "e2b":
         from agentrl.sandboxes.e2b import E2BConfig, E2BSandbox
 

@@ -7,7 +7,6 @@ import socket
 from typing import Any
 
 import pytest
-
 from agentrl.sandboxes.base import ExecRequest
 
 
@@ -18,12 +17,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.docker
-async def test_docker_containers_are_locked_down_and_replaced(docker_reason: str | None) -> None:
+@pytest.mark.parametrize("mode", ["exec", "server"])
+async def test_docker_containers_are_locked_down_and_replaced(docker_reason: str | None, mode: str) -> None:
     if docker_reason:
         pytest.skip(docker_reason)
     from agentrl.sandboxes.docker import DockerConfig, DockerSandbox
 
-    async with DockerSandbox(DockerConfig(pool_size=1, max_uses=3)) as sb:
+    async with DockerSandbox(DockerConfig(pool_size=1, max_uses=3, mode=mode)) as sb:  # type: ignore[arg-type]
         (container,) = sb._all.values()
         container.reload()
         host = container.attrs["HostConfig"]
@@ -54,14 +54,14 @@ async def test_docker_never_pulls_a_missing_image(docker_reason: str | None) -> 
     sb = DockerSandbox(DockerConfig(image="agentrl/does-not-exist:0", pool_size=1))
     r = await sb.run(ExecRequest(code="print(1)"))
     await sb.close()
-    assert r.status == "sandbox_error" and "does-not-exist" in r.message
+    assert r.status == "sandbox_error" and "never pulled" in r.message and "does-not-exist" in r.message
 
 
 async def test_e2b_unreachable_server_is_a_sandbox_error() -> None:
     from agentrl.sandboxes.e2b import E2BConfig, E2BSandbox
 
     async with E2BSandbox(E2BConfig(debug=True, sandbox_url=f"http://127.0.0.1:{_free_port()}",
-                                    request_timeout_s=5)) as sb:
+                                    request_timeout_s=1)) as sb:
         r = await sb.run(ExecRequest(code="print(1)"))
     assert r.status == "sandbox_error", r
 

@@ -6,10 +6,10 @@ import asyncio
 from typing import Any
 
 import pytest
-
 from agentrl.sandboxes.base import ExecRequest
 
-BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker), "e2b", "sandboxfusion"]
+BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker),
+            pytest.param("docker-server", marks=pytest.mark.docker), "e2b", "sandboxfusion"]
 
 
 @pytest.fixture(params=BACKENDS)

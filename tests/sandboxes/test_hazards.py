@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-
 from agentrl.sandboxes.base import ExecRequest, ExecResult
 
 pytestmark = [pytest.mark.hazard, pytest.mark.asyncio(loop_scope="module")]
 
-BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker), "e2b", "sandboxfusion"]
+BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker),
+            pytest.param("docker-server", marks=pytest.mark.docker), "e2b", "sandboxfusion"]
 SECRET_ENV = "AGENTRL_HAZARD_SECRET"
 
 
@@ -49,7 +49,7 @@ def hazard_table() -> Iterator[dict[tuple[str, str], str]]:
     yield table
     path = os.environ.get("AGENTRL_HAZARD_TABLE")
     if path and table:
-        backends = sorted({b for b, _ in table}, key=["local", "docker", "e2b", "sandboxfusion"].index)
+        backends = sorted({b for b, _ in table}, key=["local", "docker", "docker-server", "e2b", "sandboxfusion"].index)
         hazards = list(dict.fromkeys(h for _, h in table))
         lines = ["| hazard | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|"]
         for h in hazards:

@@ -9,7 +9,6 @@ import shutil
 import signal
 
 import pytest
-
 from agentrl.sandboxes.base import ExecRequest
 from agentrl.sandboxes.local import LocalConfig, LocalSandbox
 
@@ -138,3 +137,17 @@ async def test_closed_sandbox_reports_sandbox_error() -> None:
         pass
     r = await sb.run(ExecRequest(code="print(1)"))
     assert r.status == "sandbox_error" and "closed" in r.message
+
+
+@needs_bwrap
+async def test_bash_fork_bomb_and_memory_bomb_are_contained() -> None:
+    async with LocalSandbox(LocalConfig(pool_size=1)) as sb:
+        r = await sb.run(ExecRequest(code=":(){ :|:& };:", language="bash", wall_timeout_s=2, max_processes=16))
+        # the main shell may return at once (the bomb runs in the background) or flood stderr with
+        # "fork: retry": either way everything it started is killed before the answer
+        assert r.status in ("ok", "timeout", "output_limit"), r
+        r = await sb.run(ExecRequest(code="x=$(printf '%*s' 400000000 ''); echo ${#x}", language="bash",
+                                     wall_timeout_s=20, memory_mb=128))
+        assert r.status == "oom" and "cannot allocate" in r.stderr, r
+        r = await sb.run(ExecRequest(code="import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))"))
+        assert r.ok and r.stdout == "2\n"  # only the fork server and this process are left

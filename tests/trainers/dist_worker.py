@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import random_groups  # noqa: E402
+from agentrl.trainers.distributed import init_from_env
+from agentrl.trainers.torch_trainer import TorchTrainer
+from conftest import random_groups
 
-from agentrl.trainers.distributed import init_from_env  # noqa: E402
-from agentrl.trainers.torch_trainer import TorchTrainer  # noqa: E402
 
 def main() -> None:
     model_path, out, configs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])

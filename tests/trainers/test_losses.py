@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from agentrl.trainers.losses import (
     PolicyLossInputs,
     aggregate,

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
 
 MODES = ["none", "tis", "mis_token", "mis_seq", "decoupled"]

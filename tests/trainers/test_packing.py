@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from agentrl.trainers.logprobs import packed_logprobs, token_logprobs_from_logits
 from agentrl.trainers.packing import pack, pack_all, padding_stats, plan_micro_batches
 

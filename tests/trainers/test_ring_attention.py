@@ -105,3 +105,15 @@ def test_ring_matches_full_attention_on_gloo_ranks(world: int) -> None:
     """Causal single sequence, packed unequal lengths, and a length not divisible by 2P:
     outputs and dq/dk/dv equal full attention within 1e-5 (asserted on every rank)."""
     sp_workers.launch(sp_workers.ring_attention_cases, world)
+
+
+def test_autocast_does_not_lower_the_internal_precision() -> None:
+    torch.manual_seed(0)
+    cu = _cu([20, 12])
+    q, k, v = (torch.randn(32, 2, 8, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ring_attention(q, k, v, cu, q_chunk=5)
+    assert out.dtype == torch.float32
+    assert (out - reference_attention(q, k, v, cu)).abs().max() <= 1e-5
+    out.sum().backward()
+    assert q.grad is not None and bool(torch.isfinite(q.grad).all())

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-
 from agentrl.trainers.config import TrainerConfig
 from agentrl.trainers.torch_trainer import TorchTrainer
+
 from agentrl.types import Group
 
 
@@ -152,7 +152,7 @@ def test_sft_step_lowers_loss(tiny_llama_path: str, build: Any) -> None:
 def test_lr_schedule_warmup_then_cosine(tiny_llama_path: str) -> None:
     t = trainer(tiny_llama_path, lr=1.0, warmup_steps=2, schedule="cosine", total_steps=4, min_lr_ratio=0.1)
     lrs = []
-    for s in range(5):
+    for _ in range(5):
         lrs.append(t.scheduler.get_last_lr()[0])
         t.scheduler.step()
     assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1])

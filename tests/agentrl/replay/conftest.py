@@ -22,33 +22,17 @@ import pytest
 from agentrl.chat import SimpleChatTokenizer
 from agentrl.replay.synthetic import fill_store
 from agentrl.store import TrajectoryStore
-from agentrl.types import EpisodeError, ErrorClass, Group, Message, ToolCall, Trajectory, Turn
+from agentrl.types import EpisodeError, ErrorClass, Group, Message, ToolCall, Trajectory
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from mul_env_plugin import record_mul_episode, tokenise  # noqa: E402
+
+sys.path.remove(str(HERE))
 XSS_ID = "xss-traj"
 SCRIPT = "<script>window.__pwned = 1; alert('script')</script>"
 IMG = "<img src=x onerror=\"window.__pwned = 2; alert('img')\">"
 HOSTILE = f"{SCRIPT} and {IMG} and <svg onload=alert(3)></svg> <a href=javascript:alert(4)>x</a>"
-
-
-def _tokens(
-    tok: SimpleChatTokenizer, messages: list[Message]
-) -> tuple[list[int], list[int], list[float], list[int], list[Turn]]:
-    ids: list[int] = []
-    mask: list[int] = []
-    turns: list[Turn] = []
-    head = len(tok.encode("<|im_start|>assistant\n"))  # the generation prompt is not sampled
-    for m in messages:
-        part = tok.encode(tok.render([m]))
-        if m.role == "assistant":
-            turns.append(Turn(start=len(ids) + head, end=len(ids) + len(part)))
-            mask += [0] * head + [1] * (len(part) - head)
-        else:
-            mask += [0] * len(part)
-        ids += part
-    logprobs = [-0.5 if k else 0.0 for k in mask]
-    versions = [1 if k else -1 for k in mask]
-    return ids, mask, logprobs, versions, turns
 
 
 def xss_trajectory(tok: SimpleChatTokenizer) -> Trajectory:
@@ -61,7 +45,7 @@ def xss_trajectory(tok: SimpleChatTokenizer) -> Trajectory:
         Message("tool", HOSTILE, tool_call_id="<b>id</b>", name=SCRIPT),
         Message("assistant", f"Answer: {HOSTILE}"),
     ]
-    ids, mask, logprobs, versions, turns = _tokens(tok, messages)
+    ids, mask, logprobs, versions, turns = tokenise(tok, messages)
     turns[0].info = {"sandbox": {"stdout": HOSTILE, "stderr": IMG, "exit_code": 1}}
     turns[0].tool_calls = [IMG]
     return Trajectory(
@@ -70,41 +54,6 @@ def xss_trajectory(tok: SimpleChatTokenizer) -> Trajectory:
         reward=0.5, reward_breakdown={SCRIPT: 0.5}, terminated=True,
         error=EpisodeError(ErrorClass.TOOL, f"tool failed: {HOSTILE}", turn=0),
         task={"question": HOSTILE}, info={"note": HOSTILE},
-    )  # fmt: skip
-
-
-async def record_mul_episode(traj_id: str, a: int, b: int) -> Trajectory:
-    """Run the real `mul` env with scripted assistant messages and record the episode."""
-    sys.path.insert(0, str(HERE))
-    try:
-        from mul_env_plugin import MulEnv
-    finally:
-        sys.path.remove(str(HERE))
-    env = MulEnv(MulEnv.Config(bonus=0.5))
-    task = {"id": f"mul-{a}-{b}", "a": a, "b": b}
-    messages, _ = await env.reset(task, seed=7)
-    actions = [
-        Message(
-            "assistant", "I will use the tool.", tool_calls=[ToolCall("multiply", {"x": a, "y": b}, id="c1")]
-        ),
-        Message("assistant", f"Answer: {a * b}"),
-    ]
-    total = 0.0
-    turn_rewards = []
-    for action in actions:
-        messages.append(action)
-        result = await env.step(action)
-        messages += result.messages
-        total += result.reward
-        turn_rewards.append(result.reward)
-    tok = SimpleChatTokenizer()
-    ids, mask, logprobs, versions, turns = _tokens(tok, messages)
-    for t, r in zip(turns, turn_rewards, strict=True):
-        t.reward = r
-    return Trajectory(
-        id=traj_id, task_id=str(task["id"]), env="mul", messages=messages, token_ids=ids, loss_mask=mask,
-        logprobs=logprobs, versions=versions, turns=turns, reward=total, terminated=True,
-        group_id="mul-group", seed=7, task=task,
     )  # fmt: skip
 
 

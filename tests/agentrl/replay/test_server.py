@@ -156,9 +156,10 @@ async def test_reexecution_reproduces_and_flags_tampering(
     turn0 = bad["steps"][1]
     assert turn0["turn"] == 0 and not turn0["ok"]
     assert turn0["stored"][0]["content"] == "41" and turn0["replayed"][0]["content"] == "42"
-    # a trajectory whose env the run cannot create: a clear error, not a crash
-    synthetic = await (await client.post("/api/trajectories/xss-traj/check", headers=headers)).json()
-    assert synthetic["ok"] is False and "calculator" in synthetic["error"]
+    # a trajectory whose env no plugin provides: a clear error naming it, not a crash
+    search_qa = (await get_json(client, "/api/trajectories?env=search_qa&limit=1"))["items"][0]["id"]
+    synthetic = await (await client.post(f"/api/trajectories/{search_qa}/check", headers=headers)).json()
+    assert synthetic["ok"] is False and "search_qa" in synthetic["error"]
     assert _files_digest(replay_run) == before  # re-execution wrote nothing
 
 

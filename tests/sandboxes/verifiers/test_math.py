@@ -7,10 +7,10 @@ import threading
 import time
 
 import pytest
-
-from agentrl.rewards import Reward
 from agentrl.sandboxes.verifiers.math import MathConfig, MathVerifier, extract_answer, last_boxed
 from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
+
+from agentrl.rewards import Reward
 from agentrl.types import Message
 
 
@@ -60,7 +60,7 @@ async def test_scores_equivalent_answers() -> None:
         with pytest.raises(KeyError, match="answer"):
             await v.score({"solution": "1"}, _msgs("1"))
     finally:
-        v.close()
+        await v.close()
 
 
 def _slow_identity(x: int, seconds: float) -> int:
@@ -83,7 +83,7 @@ async def test_worker_pool_hard_timeout_kills_and_recovers() -> None:
         with pytest.raises(WorkerError, match="ValueError: bad input"):
             await pool.call(_fail, timeout=60)
     finally:
-        pool.close()
+        await pool.close()
 
 
 async def test_works_from_worker_threads() -> None:
@@ -91,10 +91,14 @@ async def test_works_from_worker_threads() -> None:
     v = MathVerifier(MathConfig(timeout_s=60))
     results: list[float] = []
 
+    async def score_and_close() -> float:
+        try:
+            return (await v.score({"answer": "(x+1)^2"}, _msgs(r"\boxed{x^2+2x+1}"))).value
+        finally:
+            await v.close()
+
     def in_thread() -> None:
-        r = asyncio.run(v.score({"answer": "(x+1)^2"}, _msgs(r"\boxed{x^2+2x+1}")))
-        results.append(r.value)
-        v.close()
+        results.append(asyncio.run(score_and_close()))
 
     t = threading.Thread(target=in_thread)
     t.start()

@@ -1,0 +1,44 @@
+"""`agentrl sandbox run` / `build-image` through typer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import typer
+from agentrl.sandboxes.cli import register
+from typer.testing import CliRunner
+
+
+@pytest.fixture
+def app() -> typer.Typer:
+    app = typer.Typer()
+    register(app)
+    return app
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_run_prints_output_and_exit_status(app: typer.Typer, tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nprint(sys.stdin.read().upper())\n")
+    result = CliRunner().invoke(app, ["sandbox", "run", str(script), "--stdin", "abc"])
+    assert result.exit_code == 0, result.output
+    assert "ABC" in result.output
+
+    result = CliRunner().invoke(app, ["sandbox", "run", "-", "--json", "--timeout", "0.5",
+                                      "--set", "pool_size=1"], input="import time\ntime.sleep(5)\n")
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["status"] == "timeout"
+
+
+def test_bad_options_are_named(app: typer.Typer, tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("print(1)")
+    result = CliRunner().invoke(app, ["sandbox", "run", str(script), "--backend", "nope"])
+    assert result.exit_code != 0 and "nope" in result.output
+    result = CliRunner().invoke(app, ["sandbox", "run", str(script), "--set", "novalue"])
+    assert result.exit_code != 0 and "key=value" in result.output
+    result = CliRunner().invoke(app, ["sandbox", "build-image", "--method", "magic"])
+    assert result.exit_code != 0 and "magic" in result.output
