@@ -139,6 +139,8 @@ class SimpleChatTokenizer:
     """
 
     SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    CACHE_ENTRIES = 4096
+    CACHE_TEXT_CHARS = 512
     _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 
     def __init__(self) -> None:
@@ -149,6 +151,7 @@ class SimpleChatTokenizer:
         self.eos_ids: tuple[int, ...] = (self.im_end_id, self.special_ids["<|endoftext|>"])
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
         self.boundary_cache: dict[str, tuple[str, list[int]]] = {}  # used by Conversation
+        self._cache: dict[str, list[int]] = {}
 
     def render(
         self,
@@ -167,12 +170,19 @@ class SimpleChatTokenizer:
     def encode(self, text: str) -> list[int]:
         if "<|" not in text:
             return list(text.encode("utf-8"))
+        cached = self._cache.get(text)
+        if cached is not None:  # chat deltas repeat: headers, generation prompts
+            return cached.copy()
         out: list[int] = []
         for i, piece in enumerate(self._SPLIT.split(text)):
             if i % 2:
                 out.append(self.special_ids[piece])
             elif piece:
                 out.extend(piece.encode("utf-8"))
+        if len(text) <= self.CACHE_TEXT_CHARS:
+            if len(self._cache) >= self.CACHE_ENTRIES:
+                self._cache.clear()
+            self._cache[text] = out.copy()
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -282,11 +292,12 @@ class HFChatTokenizer:
 
 # --------------------------------------------------------------------------- template boundary helpers
 
-_DUMMY_USER = Message(role="user", content="U")
+# The fixed conversation that deltas are taken against (never mutated).
+_DUMMY_PREFIX = (Message(role="user", content="U"), Message(role="assistant", content=_MARKER))
 
 
 def _dummy_prefix() -> list[Message]:
-    return [_DUMMY_USER, Message(role="assistant", content=_MARKER)]
+    return list(_DUMMY_PREFIX)
 
 
 def closing_text(tokenizer: ChatTokenizer, tools: ToolSchemas | None = None) -> str:
@@ -490,7 +501,7 @@ class Conversation:
             )
         new = [self._fit_tool_output(m) for m in messages]
         prefix, _ = self._boundary_info()
-        full = self.tokenizer.render([*_dummy_prefix(), *new], tools=self.tools, add_generation_prompt=True)
+        full = self.tokenizer.render([*_DUMMY_PREFIX, *new], tools=self.tools, add_generation_prompt=True)
         if not full.startswith(prefix):
             raise ValueError(
                 "the chat template re-renders earlier messages when new ones are appended; "

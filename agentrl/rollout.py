@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from agentrl.chat import ChatTokenizer
@@ -104,7 +104,7 @@ class RolloutManager:
         if self._producer is None:
             self._producer = asyncio.create_task(self._produce(), name="agentrl-rollout-producer")
 
-    async def groups(self) -> Any:
+    async def groups(self) -> AsyncIterator[Group]:
         """Finished groups, as the trainer takes them (an async iterator)."""
         self.start()
         while True:

@@ -231,12 +231,19 @@ class TrajectoryFilter:
         return cls(**kwargs)
 
     def where(self) -> tuple[str, list[Any]]:
-        """The SQL WHERE clause (over `trajectories t`) and its parameters."""
+        """The SQL WHERE clause (over `trajectories t`) and its parameters.
+
+        With a full-text search the FTS match list drives the query: the other
+        columns are written `+t.col` so SQLite does not pick their index and
+        then sort every candidate (a few ms instead of ~100 ms at 100k rows).
+        """
         clauses: list[str] = []
         args: list[Any] = []
+        match = fts_query(self.search) if self.search else ""
+        t = "+t." if match else "t."
 
         def add(sql: str, *values: Any) -> None:
-            clauses.append(sql)
+            clauses.append(sql.replace("t.", t, 1) if sql.startswith("t.") else sql)
             args.extend(values)
 
         if self.step_min is not None:
@@ -266,11 +273,11 @@ class TrajectoryFilter:
         if self.length_max is not None:
             add("t.num_tokens <= ?", self.length_max)
         if self.tool is not None:
-            add("t.seq IN (SELECT seq FROM traj_tools WHERE tool = ?)", self.tool)
-        if self.search:
-            match = fts_query(self.search)
-            if match:
-                add("t.seq IN (SELECT rowid FROM traj_fts WHERE traj_fts MATCH ?)", match)
+            clauses.append("t.seq IN (SELECT seq FROM traj_tools WHERE tool = ?)")
+            args.append(self.tool)
+        if match:
+            clauses.append("t.seq IN (SELECT rowid FROM traj_fts WHERE traj_fts MATCH ?)")
+            args.append(match)
         return (" AND ".join(clauses) if clauses else "1"), args
 
 
@@ -464,11 +471,25 @@ class TrajectoryStore:
         run trains again the groups whose weights were lost with the crash."""
         with self._lock:
             self._begin()
+            old = [r[0] for r in self._db.execute("SELECT DISTINCT step FROM trajectories WHERE group_id = ?",
+                                                  (group_id,))]  # fmt: skip
             self._db.execute("UPDATE groups SET step = ?, status = ? WHERE id = ?", (step, status, group_id))
             self._db.execute(
                 "UPDATE trajectories SET step = ?, status = ? WHERE group_id = ?", (step, status, group_id)
             )
+            self._refresh_step_stats([*old, step])
             self._maybe_commit()
+
+    def _refresh_step_stats(self, steps: Sequence[int | None]) -> None:
+        """Recount `step_stats` rows of these steps from the trajectories (after a move)."""
+        for step in {s for s in steps if s is not None}:
+            self._db.execute("DELETE FROM step_stats WHERE step = ?", (step,))
+            self._db.execute(
+                "INSERT INTO step_stats SELECT step, count(*), count(reward), coalesce(sum(reward), 0.0), "
+                "min(reward), max(reward), sum(num_tokens), sum(error_class IS NOT NULL), sum(truncated) "
+                "FROM trajectories WHERE step = ? GROUP BY step",
+                (step,),
+            )
 
     def add_trajectory(self, traj: Trajectory, *, step: int | None, status: str) -> None:
         """Append one trajectory (status: trained, dropped, eval, ...)."""

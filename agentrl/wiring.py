@@ -16,9 +16,10 @@ from agentrl.chat import ChatTokenizer, HFChatTokenizer
 from agentrl.config import RunConfig
 from agentrl.demonstrations import demonstration_sample
 from agentrl.engines.base import InferenceEngine
+from agentrl.errors import ConfigError
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
-from agentrl.evaluation import evaluate
+from agentrl.evaluation import EvalResult, evaluate
 from agentrl.metrics_log import MetricsLog
 from agentrl.store import TrajectoryStore
 from agentrl.types import Group, TrainSample
@@ -39,10 +40,46 @@ class Parts:
         await self.engine.close()
 
 
+@dataclass(slots=True)
+class EvalParts:
+    """What an evaluation needs: no trainer."""
+
+    env_factory: Callable[[], Env]
+    test_tasks: list[Task]
+    engine: InferenceEngine
+    tokenizer: ChatTokenizer
+
+
 def build_parts(config: RunConfig) -> Parts:
     """Construct env factory, tasks, tokenizer, trainer and engine from the config."""
     plugins = config.registry()
     model_path = resolve_model(config.model.path)
+    env_factory, train_tasks, test_tasks = _env_and_tasks(config)
+    tokenizer = HFChatTokenizer.from_pretrained(model_path)
+    trainer_cls = plugins.registry("trainers").get(config.trainer.name)
+    trainer_config = config.trainer.config or trainer_cls.Config(**config.trainer.params)
+    trainer_temperature = getattr(trainer_config, "temperature", None)
+    if trainer_temperature not in (None, config.rollout.sampling.temperature):
+        raise ConfigError(
+            f"trainer.temperature={trainer_temperature} differs from "
+            f"rollout.sampling.temperature={config.rollout.sampling.temperature}: the trainer must score "
+            "tokens under the distribution the engine sampled from; set them equal"
+        )
+    trainer = trainer_cls(trainer_config, model_path)
+    engine = _engine(config, model_path, tokenizer)
+    return Parts(env_factory, train_tasks, test_tasks, engine, tokenizer, trainer)
+
+
+def build_engine_only(config: RunConfig) -> EvalParts:
+    """Env, held-out tasks, tokenizer and engine (for `agentrl eval`)."""
+    model_path = resolve_model(config.model.path)
+    env_factory, _, test_tasks = _env_and_tasks(config)
+    tokenizer = HFChatTokenizer.from_pretrained(model_path)
+    return EvalParts(env_factory, test_tasks, _engine(config, model_path, tokenizer), tokenizer)
+
+
+def _env_and_tasks(config: RunConfig) -> tuple[Callable[[], Env], list[Task], list[Task]]:
+    plugins = config.registry()
 
     def env_factory() -> Env:
         return plugins.create_env(config.env.name, config.env.params)
@@ -50,18 +87,17 @@ def build_parts(config: RunConfig) -> Parts:
     probe = env_factory()
     train_tasks = list(probe.tasks("train"))
     test_tasks = list(probe.tasks(config.run.eval_split))[: config.run.eval_tasks]
-    tokenizer = HFChatTokenizer.from_pretrained(model_path)
+    return env_factory, train_tasks, test_tasks
 
-    trainer_cls = plugins.registry("trainers").get(config.trainer.name)
-    trainer = trainer_cls(config.trainer.config or trainer_cls.Config(**config.trainer.params), model_path)
 
-    engine_cls = plugins.registry("engines").get(config.engine.name)
-    engine_params = {"model": model_path, "dtype": config.model.dtype} | config.engine.params
-    if "model" not in engine_cls.Config.model_fields:
-        engine_params.pop("model")
-        engine_params.pop("dtype")
-    engine = engine_cls.from_config(engine_cls.Config(**engine_params), tokenizer=tokenizer)
-    return Parts(env_factory, train_tasks, test_tasks, engine, tokenizer, trainer)
+def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> InferenceEngine:
+    """The engine serves exactly the weights the trainer starts from (`model.path`)."""
+    engine_cls = config.registry().registry("engines").get(config.engine.name)
+    params = dict(config.engine.params)
+    if "model" in engine_cls.Config.model_fields:
+        params["model"] = model_path
+    engine: InferenceEngine = engine_cls.from_config(engine_cls.Config(**params), tokenizer=tokenizer)
+    return engine
 
 
 def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, float]:
@@ -87,9 +123,9 @@ def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, flo
     return out
 
 
-async def run_eval(config: RunConfig, parts: Parts, store: TrajectoryStore, *, step: int) -> dict[str, float]:
-    """Score the current policy on held-out tasks; store the episodes as status 'eval'."""
-    result = await evaluate(
+async def evaluate_config(config: RunConfig, parts: Parts | EvalParts) -> EvalResult:
+    """Evaluate on the held-out tasks with the run's eval settings."""
+    return await evaluate(
         parts.env_factory,
         parts.test_tasks,
         parts.engine,
@@ -99,6 +135,11 @@ async def run_eval(config: RunConfig, parts: Parts, store: TrajectoryStore, *, s
         ks=sorted({1, config.run.eval_samples}),
         seed=config.run.seed,
     )
+
+
+async def run_eval(config: RunConfig, parts: Parts, store: TrajectoryStore, *, step: int) -> dict[str, float]:
+    """Score the current policy on held-out tasks; store the episodes as status 'eval'."""
+    result = await evaluate_config(config, parts)
     for traj in result.trajectories:
         store.add_trajectory(traj, step=step, status="eval")
     store.commit()

@@ -72,11 +72,11 @@ async def run_mode(staleness: int, args: argparse.Namespace) -> tuple[float, flo
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--groups-per-step", type=int, default=4)
-    p.add_argument("--max-in-flight", type=int, default=96)
-    p.add_argument("--slots", type=int, default=24)
+    p.add_argument("--max-in-flight", type=int, default=128)
+    p.add_argument("--slots", type=int, default=20)
     p.add_argument("--per-token-s", type=float, default=0.0005)
     p.add_argument("--median-tokens", type=float, default=100)
     p.add_argument("--sigma", type=float, default=1.0)

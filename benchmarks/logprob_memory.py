@@ -100,7 +100,13 @@ def child(variant: str, tokens: int, vocab: int, hidden: int, chunk: int) -> dic
     if sampler:
         sampler.join()
     peak = _hwm_kb() if method == "vmhwm" else peak_sampled[0]
-    return {"variant": variant, "peak_mb": (peak - base) / 1024, "seconds": seconds, "loss": loss, "method": method}
+    return {
+        "variant": variant,
+        "peak_mb": (peak - base) / 1024,
+        "seconds": seconds,
+        "loss": loss,
+        "method": method,
+    }
 
 
 def main() -> None:
@@ -121,7 +127,9 @@ def main() -> None:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
         results[variant] = json.loads(out.strip().splitlines()[-1])
         r = results[variant]
-        print(f"{variant:8s} peak {r['peak_mb']:9.1f} MB  time {r['seconds']:6.2f} s  loss {r['loss']:.6g}  ({r['method']})")
+        print(
+            f"{variant:8s} peak {r['peak_mb']:9.1f} MB  time {r['seconds']:6.2f} s  loss {r['loss']:.6g}  ({r['method']})"
+        )
     c, n = results["chunked"], results["naive"]
     logits_mb = args.tokens * args.vocab * 4 / 2**20
     rel = abs(c["loss"] - n["loss"]) / max(abs(n["loss"]), 1e-12)

@@ -5,7 +5,8 @@ model replies with `<action>NAME</action>` (a bare action word is accepted as a
 fallback: the last one in the reply wins). The game's own reward is the
 per-turn reward; `terminated`/`truncated` are the game's (truncated also when
 `max_steps` turns are used up). A reply naming no legal action does not move
-the game, costs `invalid_action_penalty` and counts as a turn.
+the game, costs `invalid_action_penalty` and counts as a turn; more than
+`max_invalid_actions` of them truncate the episode.
 
 Tasks are seeds. FrozenLake draws a fresh random map per seed; Taxi and
 Blackjack use the seed for the start state / the first cards. The episode seed
@@ -69,6 +70,7 @@ class GymTextConfig(EnvConfig):
     frozen_prob: float = Field(0.8, gt=0.0, le=1.0, description="frozenlake: probability a tile is frozen")
     max_steps: int = Field(20, ge=1, description="turns before the episode is truncated")
     invalid_action_penalty: float = Field(0.0, le=0.0)
+    max_invalid_actions: int = Field(3, ge=0, description="replies naming no action allowed before truncation")
     seed: int = Field(0, ge=0, description="base of the task seeds")
     train_size: int = Field(1000, ge=1, le=_SPLIT_OFFSET["test"])
     test_size: int = Field(100, ge=0, le=_SPLIT_OFFSET["test"])
@@ -87,6 +89,7 @@ class GymTextEnv(Env):
         self._game: Any = None
         self._obs: Any = None
         self._steps = 0
+        self._invalid = 0
         self._return = 0.0
 
     @property
@@ -128,6 +131,7 @@ class GymTextEnv(Env):
 
             self._game.unwrapped.np_random = np.random.default_rng([task_seed, seed])
         self._steps = 0
+        self._invalid = 0
         self._return = 0.0
         intro = (
             f"{RULES[self.cfg.game]}\nActions: {', '.join(self.actions)}. "
@@ -185,6 +189,8 @@ class GymTextEnv(Env):
         choice = self.parse_choice(action.content)
         out_of_turns = self._steps >= self.cfg.max_steps
         if choice is None:
+            self._invalid += 1
+            out_of_turns = out_of_turns or self._invalid > self.cfg.max_invalid_actions
             reward = self.cfg.invalid_action_penalty
             self._return += reward
             note = f"Invalid action. Choose one of: {', '.join(self.actions)}, as <action>NAME</action>.\n"
@@ -193,7 +199,8 @@ class GymTextEnv(Env):
                 reward=reward,
                 truncated=out_of_turns,
                 info={"invalid_action": True, "return": self._return}
-                | ({"truncation_reason": "max_steps"} if out_of_turns else {}),
+                | ({"truncation_reason": "invalid_actions" if self._steps < self.cfg.max_steps else "max_steps"}
+                   if out_of_turns else {}),
             )
         self._obs, game_reward, terminated, truncated, _ = self._game.step(self.actions.index(choice))
         reward = float(game_reward)

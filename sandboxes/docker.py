@@ -120,7 +120,10 @@ def _demux(data: bytes) -> tuple[bytes, bytes]:
 
 
 class DockerSandbox(BaseSandbox):
-    """``docker`` backend: see the module docstring. Use as an async context manager."""
+    """A warm pool of locked-down Docker containers (images are never pulled).
+
+    See the module docstring. Use as an async context manager (starts the pool).
+    """
 
     Config = DockerConfig
 
@@ -140,6 +143,8 @@ class DockerSandbox(BaseSandbox):
         self._all: dict[str, Any] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._streams: dict[str, _Stream] = {}
+        self._owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._reaped = False
 
     @classmethod
     def from_config(cls, config: DockerConfig | dict[str, Any] | None = None) -> DockerSandbox:
@@ -149,8 +154,21 @@ class DockerSandbox(BaseSandbox):
         async with asyncio.timeout(self.config.api_timeout_s):
             return await asyncio.to_thread(fn, *args, **kwargs)
 
+    def _reap_stale_sync(self) -> None:
+        """Remove containers left by dead processes of this host (e.g. a killed run)."""
+        host = socket.gethostname()
+        for container in self.client.containers.list(all=True, filters={"label": self.config.label}):
+            owner_host, _, pid = container.labels.get(self.config.label, "").rpartition(":")
+            if owner_host == host and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                with contextlib.suppress(Exception):
+                    container.remove(force=True)
+
     def _create_sync(self) -> Any:
         c = self.config
+        if not self._reaped:
+            self._reaped = True
+            with contextlib.suppress(Exception):
+                self._reap_stale_sync()
         tmpfs_opts = f"rw,nosuid,nodev,size={c.tmpfs_mb}m,uid=65534,gid=65534,mode=1777"
         import docker.errors
 
@@ -184,7 +202,7 @@ class DockerSandbox(BaseSandbox):
             user=c.user,
             working_dir="/work",
             environment={},
-            labels={c.label: str(os.getpid())},
+            labels={c.label: self._owner},
             auto_remove=False,
         )
         try:

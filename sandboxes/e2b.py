@@ -189,7 +189,7 @@ def parse_runner_output(stdout: str, request: ExecRequest, wall_s: float) -> Exe
 
 
 class E2BSandbox(BaseSandbox):
-    """``e2b`` backend: see the module docstring."""
+    """e2b cloud sandboxes: a pool of e2b-code-interpreter ``AsyncSandbox``. See the module docstring."""
 
     Config = E2BConfig
 

@@ -113,6 +113,7 @@ class Cgroups:
                     self._make(ctrl, (parent if parent.is_dir() else root / ctrl) / name)
 
     def _make(self, key: str, path: Path) -> None:
+        _reap_stale(path.parent)
         try:
             path.mkdir()
             self.dirs[key] = path
@@ -150,6 +151,16 @@ class Cgroups:
                 except OSError:
                     time.sleep(0.01)
         self.dirs.clear()
+
+
+def _reap_stale(parent: Path) -> None:
+    """Remove empty worker cgroups left by dead processes (e.g. a killed run)."""
+    with contextlib.suppress(OSError):
+        for d in parent.glob("agentrl-sbx-*-*"):
+            pid = d.name.split("-")[2]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                with contextlib.suppress(OSError):
+                    d.rmdir()
 
 
 def _preexec(procs_files: list[str], uid: int | None, gid: int | None) -> Any:
@@ -353,7 +364,10 @@ def bwrap_args(config: LocalConfig, server_path: Path, *, network: bool = False)
 
 
 class LocalSandbox(BaseSandbox):
-    """``local`` backend: see the module docstring. Use as an async context manager."""
+    """Bubblewrap sandboxes with a warm fork-server pool (the default; no daemon).
+
+    See the module docstring. Use as an async context manager (starts the pool).
+    """
 
     Config = LocalConfig
 

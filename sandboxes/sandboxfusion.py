@@ -81,7 +81,7 @@ def from_body(body: dict[str, Any], request: ExecRequest, wall_s: float) -> Exec
 
 
 class SandboxFusionSandbox(BaseSandbox):
-    """``sandboxfusion`` backend: see the module docstring."""
+    """Client for an existing SandboxFusion ``/run_code`` service. See the module docstring."""
 
     Config = SandboxFusionConfig
 

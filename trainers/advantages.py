@@ -117,7 +117,10 @@ def whiten(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], eps: f
         return [v.clone() for v in values]
     mean = flat.mean()
     std = flat.std(correction=1) if flat.numel() > 1 else torch.zeros(())
-    return [torch.where(m.bool(), (v - mean) / (std + eps), torch.zeros_like(v)) for v, m in zip(values, masks, strict=True)]
+    return [
+        torch.where(m.bool(), (v - mean) / (std + eps), torch.zeros_like(v))
+        for v, m in zip(values, masks, strict=True)
+    ]
 
 
 @dataclass(slots=True)
@@ -181,7 +184,9 @@ def compute_advantages(
         advs = whiten([a for a, _ in pairs], masks, eps)
         rets = [r for _, r in pairs]
         return Advantages(advs, rets, _adv_metrics(advs, masks, samples))
-    raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: grpo, dr_grpo, rloo, reinforce_pp, gae")
+    raise ValueError(
+        f"unknown advantage estimator {estimator!r}; allowed: grpo, dr_grpo, rloo, reinforce_pp, gae"
+    )
 
 
 def _episode_return(returns: torch.Tensor, sample: TrainSample) -> float:
@@ -191,14 +196,21 @@ def _episode_return(returns: torch.Tensor, sample: TrainSample) -> float:
 
 
 def _group_baseline(
-    returns: list[torch.Tensor], episode: torch.Tensor, estimator: str, eps: float, masks: Sequence[torch.Tensor]
+    returns: list[torch.Tensor],
+    episode: torch.Tensor,
+    estimator: str,
+    eps: float,
+    masks: Sequence[torch.Tensor],
 ) -> list[torch.Tensor]:
     n = episode.numel()
     if estimator == "rloo":
         if n < 2:
             raise ValueError("advantage 'rloo' needs groups of at least 2 samples (leave-one-out baseline)")
         total = episode.sum()
-        return [(r - (total - episode[i]) / (n - 1)) * m for i, (r, m) in enumerate(zip(returns, masks, strict=True))]
+        return [
+            (r - (total - episode[i]) / (n - 1)) * m
+            for i, (r, m) in enumerate(zip(returns, masks, strict=True))
+        ]
     mean = episode.mean()
     if estimator == "dr_grpo":
         return [(r - mean) * m for r, m in zip(returns, masks, strict=True)]

@@ -82,10 +82,10 @@ def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
 def _save_model(trainer: TorchTrainer, out: Path) -> None:
     model = trainer.model
     if trainer.config.lora is not None:
-        model.save_pretrained(out / "adapter")  # type: ignore[operator]
+        model.save_pretrained(out / "adapter")
         _save_merged(trainer, out / "model")
     else:
-        model.save_pretrained(out / "model", safe_serialization=True)  # type: ignore[operator]
+        model.save_pretrained(out / "model", safe_serialization=True)
     _copy_tokenizer(trainer.model_path, out / "model")
 
 
@@ -94,8 +94,8 @@ def _save_merged(trainer: TorchTrainer, out: Path) -> None:
     from agentrl.trainers.weights import hf_named_tensors
     from transformers import AutoModelForCausalLM
 
-    base_config = trainer.model.get_base_model().config  # type: ignore[operator]
-    merged = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)
+    base_config = trainer.model.get_base_model().config
+    merged = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     state = {name: t.detach().cpu() for name, t in hf_named_tensors(trainer.model)}
     missing, unexpected = merged.load_state_dict(state, strict=False)
     tied = set(getattr(merged, "_tied_weights_keys", None) or [])

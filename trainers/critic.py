@@ -7,7 +7,7 @@ Trained with the clipped value loss, token-mean over the batch's loss tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,14 +48,17 @@ class Critic:
         device: str = "cpu",
         autocast_dtype: torch.dtype | None = None,
         world: World | None = None,
+        load: Callable[[Any, str], Any] | None = None,
     ) -> None:
+        """`load(auto_cls, path)` loads the backbone (the trainer passes its attention setup)."""
         from transformers import AutoModel
 
         self.config = config
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.world = world or World()
-        backbone = AutoModel.from_pretrained(config.model_path or model_path, dtype=torch.float32)
+        path = config.model_path or model_path
+        backbone = load(AutoModel, path) if load else AutoModel.from_pretrained(path, dtype=torch.float32)
         self.model = ValueModel(backbone, backbone.config.hidden_size).to(device)
         self.module = wrap(self.model, self.world, device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)

@@ -58,7 +58,9 @@ def wrap(module: nn.Module, world: World, device: str | torch.device) -> nn.Modu
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = torch.device(device)
-    device_ids = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else None
+    device_ids = (
+        [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else None
+    )
     return DDP(module, device_ids=device_ids, process_group=world.group, broadcast_buffers=False)
 
 

@@ -97,7 +97,9 @@ def aggregation_weights(
             raise ValueError("seq_mean_token_mean needs seq_lengths")
         per_token_len = seq_lengths.to(torch.float32)[seq_ids].clamp(min=1.0)
         return mask / (per_token_len * max(num_seqs, 1))
-    raise ValueError(f"unknown loss_agg {mode!r}; allowed: token_mean, seq_mean_token_mean, seq_mean_token_sum")
+    raise ValueError(
+        f"unknown loss_agg {mode!r}; allowed: token_mean, seq_mean_token_mean, seq_mean_token_sum"
+    )
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -110,7 +112,9 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor
         return per_seq_sum.mean()
     if mode == "seq_mean_token_mean":
         return (per_seq_sum / mask.sum(-1).clamp(min=1)).mean()
-    raise ValueError(f"unknown loss_agg {mode!r}; allowed: token_mean, seq_mean_token_mean, seq_mean_token_sum")
+    raise ValueError(
+        f"unknown loss_agg {mode!r}; allowed: token_mean, seq_mean_token_mean, seq_mean_token_sum"
+    )
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ that agree bit for bit get weight 1 in every mode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +56,9 @@ def off_policy_weights(
         if decoupled_cap is not None:
             w = torch.where(w <= decoupled_cap, w, torch.zeros_like(w))
     else:
-        raise ValueError(f"unknown off_policy.mode {mode!r}; allowed: none, tis, mis_token, mis_seq, decoupled")
+        raise ValueError(
+            f"unknown off_policy.mode {mode!r}; allowed: none, tis, mis_token, mis_seq, decoupled"
+        )
     return prox, w * mask_f
 
 
@@ -82,7 +84,6 @@ class MismatchStats:
     clipped: float = 0.0
     staleness_sum: float = 0.0
     staleness_max: float = 0.0
-    seq_ratios: list[float] = field(default_factory=list)
 
     def add(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -123,7 +124,9 @@ def pack(
         parts = [per_seq[i] for i in indices]
         for i, p in zip(indices, parts, strict=True):
             if p.shape[0] != len(input_ids[i]):
-                raise ValueError(f"field {name!r} of sequence {i} has {p.shape[0]} entries for {len(input_ids[i])} tokens")
+                raise ValueError(
+                    f"field {name!r} of sequence {i} has {p.shape[0]} entries for {len(input_ids[i])} tokens"
+                )
         if num_pad:
             parts.append(torch.zeros(num_pad, dtype=parts[0].dtype))
         packed_fields[name] = torch.cat(parts)
@@ -168,3 +171,70 @@ def padding_stats(batches: Sequence[PackedBatch], lengths: Sequence[int]) -> dic
         "pack/micro_batches": float(len(batches)),
         "pack/tokens": float(real),
     }
+
+
+# ----------------------------------------------------------------------------- attention
+PACKED_ATTENTION = "agentrl_packed_sdpa"
+"""transformers attention-implementation name of `packed_sdpa_attention`."""
+
+
+def packed_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Varlen causal attention for a packed row: one causal SDPA call per sequence.
+
+    A dense block-diagonal mask costs O(T^2) for a row of T tokens whatever the
+    sequences; this costs O(sum len_i^2) and builds no mask (what flash-attention's
+    varlen kernel does on GPU, available on every device). Sequence boundaries come
+    from the restarting `position_ids`. Anything that is not a single packed row
+    without a mask (generation with a cache, padded batches) goes to HF's sdpa.
+    """
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    t = query.shape[2]
+    if query.shape[0] != 1 or position_ids is None or attention_mask is not None or key.shape[2] != t:
+        return sdpa_attention_forward(  # type: ignore[no-any-return]
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    starts = (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    bounds = [*starts, t]
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    p = dropout if module.training else 0.0
+    outs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling
+        )
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+        if e > s
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def use_packed_attention(model: Any) -> None:
+    """Switch an HF model (or peft wrapper) to `packed_sdpa_attention` (registered once per process)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, _no_mask)
+    target = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    try:
+        target.set_attn_implementation(PACKED_ATTENTION)
+    except (AttributeError, ValueError):
+        target.config._attn_implementation = PACKED_ATTENTION

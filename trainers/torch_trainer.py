@@ -45,7 +45,7 @@ from agentrl.trainers.logprobs import (
 )
 from agentrl.trainers.losses import PolicyLossInputs, aggregation_weights, kl_estimate, policy_loss
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
-from agentrl.trainers.packing import PackedBatch, pack, pack_all, padding_stats
+from agentrl.trainers.packing import PackedBatch, pack, pack_all, padding_stats, use_packed_attention
 from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 from torch import nn
 
@@ -118,7 +118,7 @@ class TorchTrainer:
     def _load_policy(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        model = self._from_pretrained(AutoModelForCausalLM, self.model_path)
         if self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -139,13 +139,22 @@ class TorchTrainer:
         model.train()
         return model  # type: ignore[no-any-return]
 
+    def _from_pretrained(self, auto_cls: Any, path: str) -> Any:
+        """Load fp32 weights with the configured attention implementation."""
+        attention = self.config.attention
+        kwargs = {} if attention == "packed_sdpa" else {"attn_implementation": attention}
+        model = auto_cls.from_pretrained(path, dtype=torch.float32, **kwargs).to(self.device)
+        if attention == "packed_sdpa":
+            use_packed_attention(model)
+        return model
+
     def _load_reference(self) -> nn.Module | None:
         """A frozen copy of the initial policy; None under LoRA (the base with adapters off is used)."""
         if self.config.lora is not None:
             return None
         from transformers import AutoModelForCausalLM
 
-        ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        ref = self._from_pretrained(AutoModelForCausalLM, self.model_path)
         ref.eval()
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -158,6 +167,7 @@ class TorchTrainer:
         return Critic(
             self.config.critic,
             self.model_path,
+            load=self._from_pretrained,
             device=self.device,
             autocast_dtype=self.autocast_dtype,
             world=self.world,
@@ -334,14 +344,14 @@ class TorchTrainer:
         sums: dict[str, float] = {}
         stats = MismatchStats()
         partition = _split(len(samples), cfg.mini_batches)
-        pack_metrics: dict[str, float] = {}
+        first_epoch_batches: list[PackedBatch] = []
         mine_set = set(mine)
         for _epoch in range(cfg.epochs):
             for part in partition:
                 local = [i for i in part if i in mine_set]
                 batches = self._pack(ids, fields, local)
-                if not pack_metrics:
-                    pack_metrics = self._padding_metrics(batches, ids)
+                if _epoch == 0:
+                    first_epoch_batches.extend(batches)
                 counts = _counts(fields["loss_mask"], part)
                 part_sums = self._accumulate(batches, counts, fields, stats if _epoch == 0 else None)
                 for k, v in part_sums.items():
@@ -355,6 +365,7 @@ class TorchTrainer:
                     sums["critic/loss"] = sums.get("critic/loss", 0.0) + float(
                         all_reduce_sum(torch.tensor(crit["critic/loss_local"]), self.world)
                     )
+        pack_metrics = self._padding_metrics(first_epoch_batches, ids)
         metrics |= self._finish(sums, stats, updates, len(samples), pack_metrics)
         if apply:
             self.scheduler.step()

@@ -109,6 +109,7 @@ class HFEngine:
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self._cv = threading.Condition()
         self._step_lock = threading.Lock()  # held during a step; weight copies take it between steps
+        self._update_waiting = threading.Event()  # a copy waits for the lock: the worker steps aside
         self._update_lock: asyncio.Lock | None = None
         self._waiting: deque[_Request] = deque()
         self._paused = False  # finish_old update in progress: admit nothing
@@ -179,6 +180,8 @@ class HFEngine:
                     if not req.cancelled:
                         new.append(req)
                 self._running = len(new) + (len(batch.rows) if batch else 0)
+            while self._update_waiting.is_set():  # let a weight copy in between steps
+                time.sleep(0.0005)
             started = time.monotonic()
             try:
                 with self._step_lock, torch.inference_mode(), self._autocast():
@@ -335,6 +338,13 @@ class HFEngine:
     def _copy_weights(self, weights: WeightSource, version: int) -> None:
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
+        self._update_waiting.set()
+        try:
+            self._copy_locked(params, weights, version)
+        finally:
+            self._update_waiting.clear()
+
+    def _copy_locked(self, params: dict[str, Any], weights: WeightSource, version: int) -> None:
         with self._step_lock, torch.no_grad():
             for bucket in weights.buckets():
                 for name, tensor in bucket:

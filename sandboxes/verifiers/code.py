@@ -70,7 +70,9 @@ class CodeConfig(BaseModel):
 
 
 class CodeVerifier:
-    """``code`` reward plugin; see the module docstring. ``await close()`` when done.
+    """Code: run the solution against unit tests or stdin/stdout cases in a sandbox; partial credit.
+
+    Task schema and scoring: see the module docstring. ``await close()`` when done.
 
     Pass ``sandbox=`` to share one sandbox between rewards and tools; otherwise
     one is made from ``config.sandbox`` on first use (and closed by :meth:`close`).

@@ -142,7 +142,10 @@ class MathConfig(BaseModel):
 
 
 class MathVerifier:
-    """``math`` reward plugin; see the module docstring. ``await close()`` when done."""
+    """Math answers: extract (boxed / answer: / last number), check equivalence in a worker process.
+
+    Task schema and scoring: see the module docstring. ``await close()`` when done.
+    """
 
     Config = MathConfig
 

@@ -71,6 +71,34 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
     assert model.config.num_hidden_layers == 2
 
 
+def test_math_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
+    """Single-turn RLVR on reasoning-gym arithmetic with the math verifier.
+
+    A random model never earns reward, so an entropy bonus provides the gradient
+    that proves the trainer updates the real parameters.
+    """
+    proc = subprocess.run(
+        _train_cmd(
+            "math.yaml", tmp_path, tiny_llama_path,
+            "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
+            "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=8",
+            "trainer.entropy_coef=0.01",
+        ),
+        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "ci"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "grad_norm" in r] == [1, 2]
+    assert all(r["grad_norm"] > 0 for r in rows if "grad_norm" in r)
+    with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
+        trained = [r for r in store.iter_records() if r.status == "trained"]
+        assert len(trained) == 2 * 2 * 2
+        assert all(r.trajectory.env == "math" and len(r.trajectory.turns) == 1 for r in trained)
+        assert all(r.trajectory.reward in (0.0, 1.0) for r in trained)
+    assert (run / "checkpoints" / "step-000002" / "model" / "config.json").exists()
+
+
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path: Path, tiny_llama_path: str) -> None:
     """kill -9 mid-run, `--resume`: every task position trained exactly once, nothing lost."""
     fast = (

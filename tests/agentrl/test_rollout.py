@@ -206,7 +206,7 @@ async def test_failures_are_classified_on_the_trajectory(
     tok: SimpleChatTokenizer, task_extra: dict[str, Any], kind: ErrorClass
 ) -> None:
     task = {**tasks(1)[0], **task_extra}
-    traj = await run_single(CalcEnv(), task, tok, config(env_timeout_s=0.3))
+    traj = await run_single(CalcEnv(), task, tok, config(env_timeout_s=1.0 if kind is ErrorClass.TIMEOUT else 5.0))
     assert traj.error is not None and traj.error.kind is kind, traj.error
     assert traj.reward == 0.0
     assert len(traj.token_ids) == len(traj.loss_mask) == len(traj.versions)
@@ -259,7 +259,7 @@ async def test_failure_policy_per_class(tok: SimpleChatTokenizer, kind: str, pol
     """The bad episode's class decides: zero reward keeps the group, drop/exhausted retries drop it."""
     bad: dict[str, Any] = {"prompt": "GARBLE"} if kind == "format" else {"fail": kind}
     work = [*tasks(2), {**tasks(3)[2], **bad}]
-    cfg = config(on_error={ErrorClass(kind): policy}, max_retries=1, env_timeout_s=0.3)
+    cfg = config(on_error={ErrorClass(kind): policy}, max_retries=1, env_timeout_s=1.0 if kind == "timeout" else 5.0)
     eng = engine(tok)
     if kind == "engine":
         def policy_fn(prompt: str) -> str:

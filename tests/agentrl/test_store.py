@@ -227,6 +227,7 @@ def reference(trajs: list[Trajectory], f: TrajectoryFilter) -> set[str]:
             f.tool is None or f.tool in tools,
             f.length_min is None or len(t.token_ids) >= f.length_min,
             f.length_max is None or len(t.token_ids) <= f.length_max,
+            f.search is None or all(any(w in m.content for m in t.messages) for w in f.search.split()),
         ]
         if all(checks):
             out.add(t.id)
@@ -248,6 +249,8 @@ def reference(trajs: list[Trajectory], f: TrajectoryFilter) -> set[str]:
         TrajectoryFilter(tool="lookup"),
         TrajectoryFilter(tool="python", reward_min=1.0),
         TrajectoryFilter(length_min=600, length_max=900),
+        TrajectoryFilter(search="ZeroDivisionError", truncated=False, step_min=2),
+        TrajectoryFilter(search="Traceback ZeroDivisionError", reward_min=1.0, env="python_sandbox"),
     ],
 )
 def test_filters_match_a_python_reference(
@@ -549,3 +552,25 @@ def test_export_jsonl_and_parquet_load_in_datasets(
                 assert math.isnan(back.reward)
                 back.reward = want.reward
             assert canon(back) == canon(want)
+
+
+def test_moving_a_group_to_another_step_keeps_step_stats_exact(tmp_path: Path) -> None:
+    with TrajectoryStore(tmp_path) as store:
+        groups = fill_store(store, steps=3, groups_per_step=2, group_size=3, seed=11)
+        moved = groups[0]  # stored at step 1
+        store.set_group_step(moved.id, step=3)
+        store.commit()
+        assert {r["step"] for r in store.group_members(moved.id)} == {3}
+        group = store.group(moved.id)
+        assert group is not None and group["step"] == 3
+        by_step: dict[int, list[Trajectory]] = {}
+        for g, step in zip(groups, [1, 1, 2, 2, 3, 3], strict=True):
+            by_step.setdefault(3 if g is moved else step, []).extend(g.trajectories)
+        rows = store.step_rewards()
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        for row in rows:
+            rewards = [t.reward for t in by_step[row["step"]]]
+            assert row["count"] == len(rewards)
+            assert row["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+            assert (row["reward_min"], row["reward_max"]) == (min(rewards), max(rewards))
+        assert store.count(TrajectoryFilter(step_min=3, step_max=3)) == 9

@@ -64,3 +64,35 @@ async def test_code_env_passes_check_env(local_sandbox: Any) -> None:
     assert report.steps >= 2
     report = await acheck_env(env, policy=replying("```python\nprint(input())\n```"))
     assert report.steps >= 2
+
+
+async def test_installed_entry_points_build_envs_that_pass_with_their_default_rewards(tmp_path: Path) -> None:
+    """By name through the registry, as `agentrl train`/`check-env` do: real verifier, real sandbox."""
+    from agentrl.envs.shared import shared_objects
+
+    from agentrl.registry import Plugins
+
+    plugins = Plugins.discover()
+    assert {"math", "code", "reasoning_gym", "gym_text", "dataset"} <= set(plugins.envs.names())
+    assert "reward_model" in plugins.rewards.names()
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4"}))
+    params: dict[str, dict[str, Any]] = {
+        "math": {"train_size": 4, "test_size": 2},
+        "code": {"max_attempts": 2},
+        "reasoning_gym": {"train_size": 4, "test_size": 2},
+        "gym_text": {"game": "taxi", "max_steps": 3},
+        "dataset": {"source": {"path": str(data)}, "test_fraction": 0.0},
+    }
+    try:
+        for name, p in params.items():
+            env = plugins.create_env(name, p)
+            report = await acheck_env(env, policy=replying("\\boxed{4} <answer>4</answer> <action>north</action>"))
+            assert report.episodes >= 1, name
+        env = plugins.create_env("dataset", params["dataset"])
+        await env.reset(next(iter(env.tasks())))
+        result = await env.step(Message(role="assistant", content="2 + 2 = \\boxed{4}"))
+        assert result.reward == 1.0 and result.info["reward_breakdown"]["math"] == 1.0  # the real math verifier
+        await env.close()
+    finally:
+        await shared_objects().aclose()

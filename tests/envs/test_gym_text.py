@@ -96,3 +96,11 @@ async def test_sample_seed_keeps_the_start_but_varies_later_cards() -> None:
     again, _ = await env.reset(task, seed=0)
     assert len(starts) == 1 and again[0].content in starts
     assert len(hands) > 1
+
+
+async def test_too_many_invalid_replies_truncate() -> None:
+    env = make(game="taxi", max_invalid_actions=2)
+    await env.reset(next(iter(env.tasks())))
+    results = [await env.step(say("hmm")) for _ in range(3)]
+    assert [r.truncated for r in results] == [False, False, True]
+    assert results[-1].info["truncation_reason"] == "invalid_actions" and results[-1].messages == []

@@ -55,7 +55,16 @@ def random_groups(
         for _ in range(group_size):
             comp = [rng.randrange(1, vocab) for _ in range(rng.randint(*completion_len))]
             lps = [-1.5 + rng.uniform(-0.5, 0.5) for _ in comp]
-            trajs.append(make_trajectory(prompt, comp, reward=float(rng.random() < 0.5), logprobs=lps, version=version, group_id=f"g{g}"))
+            trajs.append(
+                make_trajectory(
+                    prompt,
+                    comp,
+                    reward=float(rng.random() < 0.5),
+                    logprobs=lps,
+                    version=version,
+                    group_id=f"g{g}",
+                )
+            )
         groups.append(Group(task_id=f"task{g}", trajectories=trajs, id=f"g{g}"))
     return groups
 

@@ -160,7 +160,7 @@ def reference_step(model: Any, batch: dict[str, torch.Tensor]) -> tuple[float, d
     return loss.item(), {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
 
 
-def sp_step(model: Any, batch: dict[str, torch.Tensor], groups: Any) -> float:
+def sp_step(model: Any, batch: dict[str, torch.Tensor], groups: Any, bucket_bytes: int = 64 * 2**20) -> float:
     """One SP training step through the public API (loss on every rank; grads reduced)."""
     from agentrl.trainers.sequence_parallel import gather_logprobs, reduce_gradients, shard_packed_batch
 
@@ -169,7 +169,7 @@ def sp_step(model: Any, batch: dict[str, torch.Tensor], groups: Any) -> float:
     local_lp = token_logprobs(logits, shard.shard(batch["labels"], fill=-100))
     loss = seq_mean_loss(gather_logprobs(local_lp, shard), batch)
     loss.backward()
-    reduce_gradients(model.parameters(), groups)
+    reduce_gradients(model.parameters(), groups, bucket_bytes=bucket_bytes)
     return loss.item()
 
 
@@ -223,7 +223,7 @@ def llama_dp_sp_step(rank: int, world: int, sp_size: int) -> None:
     mean_grads = {n: sum(r[1][n] for r in refs) / dp for n in refs[0][1]}
 
     patch_model_for_sp(model)
-    loss = sp_step(model, batches[groups.dp_rank], groups)
+    loss = sp_step(model, batches[groups.dp_rank], groups, bucket_bytes=4096)  # many small buckets
     ref_loss = refs[groups.dp_rank][0]
     assert abs(loss - ref_loss) <= TOL, f"rank {rank}: loss {loss} != its replica's P=1 loss {ref_loss}"
     _check_grads(model, mean_grads, f"DP={dp} x SP={sp_size}")

@@ -100,14 +100,18 @@ def test_gae_by_hand() -> None:
     adv, _ = gae(r, v, m, gamma=1.0, lam=0.5)
     assert adv.tolist() == pytest.approx([0.125, 0.25, 0.5])
     # env tokens (mask 0) are skipped: the next sampled token's value bootstraps across them
-    adv, _ = gae(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.2, 9.0, 0.6]), torch.tensor([1.0, 0.0, 1.0]), 1.0, 1.0)
+    adv, _ = gae(
+        torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.2, 9.0, 0.6]), torch.tensor([1.0, 0.0, 1.0]), 1.0, 1.0
+    )
     assert adv.tolist() == pytest.approx([0.8, 0.0, 0.4])
 
 
 def test_gae_estimator_uses_critic_values() -> None:
     s = sample(1, 2, 1.0)
     vals = torch.tensor([0.0, 0.25, 0.75])
-    out = compute_advantages([[s], [sample(1, 2, 0.0)]], "gae", gamma=1.0, lam=1.0, values=[[vals], [torch.zeros(3)]])
+    out = compute_advantages(
+        [[s], [sample(1, 2, 0.0)]], "gae", gamma=1.0, lam=1.0, values=[[vals], [torch.zeros(3)]]
+    )
     assert out.returns[0].tolist() == pytest.approx([0.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="critic"):
         compute_advantages([[s]], "gae")

@@ -38,7 +38,9 @@ def test_resume_gives_the_same_next_step(tiny_llama_path: str, tmp_path: Path, b
         assert torch.equal(p, after_a[n]), n
 
 
-def test_checkpoint_model_dir_loads_with_from_pretrained(tiny_llama_path: str, tmp_path: Path, build: Any) -> None:
+def test_checkpoint_model_dir_loads_with_from_pretrained(
+    tiny_llama_path: str, tmp_path: Path, build: Any
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t = TorchTrainer(CFG, tiny_llama_path)
@@ -55,7 +57,9 @@ def test_checkpoint_model_dir_loads_with_from_pretrained(tiny_llama_path: str, t
     assert json.loads((tmp_path / "c" / "extra_state.json").read_text()) == {}
 
 
-def test_lora_checkpoint_saves_merged_model_and_resumes_adapter(tiny_llama_path: str, tmp_path: Path, build: Any) -> None:
+def test_lora_checkpoint_saves_merged_model_and_resumes_adapter(
+    tiny_llama_path: str, tmp_path: Path, build: Any
+) -> None:
     from transformers import AutoModelForCausalLM
 
     cfg = dict(CFG, lora={"r": 4})

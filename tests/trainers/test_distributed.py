@@ -17,7 +17,12 @@ import torch
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-CONFIG: dict[str, Any] = {"dtype": "fp32", "lr": 1e-3, "micro_batch_tokens": 48, "loss_agg": "seq_mean_token_mean"}
+CONFIG: dict[str, Any] = {
+    "dtype": "fp32",
+    "lr": 1e-3,
+    "micro_batch_tokens": 48,
+    "loss_agg": "seq_mean_token_mean",
+}
 # one spawn runs both: DP over 2 ranks, then SP=2 (ring attention, DP=1) in the same process group
 RUNS = [CONFIG, dict(CONFIG, sequence_parallel_size=2)]
 
@@ -50,9 +55,15 @@ def test_two_gloo_ranks_dp_and_sp_match_one_process(tiny_llama_path: str, tmp_pa
         assert got["metrics"]["loss"] == pytest.approx(m1["loss"], rel=1e-5)
         assert got["metrics"]["samples"] == m1["samples"] == 9
         assert got["metrics"]["pack/tokens"] == m1["pack/tokens"]
-        assert got["metrics"]["off_policy/mismatch_kl"] == pytest.approx(m1["off_policy/mismatch_kl"], rel=1e-5)
+        assert got["metrics"]["off_policy/mismatch_kl"] == pytest.approx(
+            m1["off_policy/mismatch_kl"], rel=1e-5
+        )
         assert set(got["grads"]) == set(g1)
         for n, g in g1.items():
             torch.testing.assert_close(
-                got["grads"][n], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=f"run {k} rank {rank}: {n}"
+                got["grads"][n],
+                g,
+                rtol=1e-5,
+                atol=1e-5 * float(g.abs().max()),
+                msg=f"run {k} rank {rank}: {n}",
             )

@@ -25,7 +25,9 @@ def test_chunked_equals_naive_with_gradients(temperature: float) -> None:
 
     hidden.grad = None
     head.weight.grad = None
-    lp, ent = chunked_logprobs(hidden, targets, head, chunk_tokens=8, temperature=temperature, with_entropy=True)
+    lp, ent = chunked_logprobs(
+        hidden, targets, head, chunk_tokens=8, temperature=temperature, with_entropy=True
+    )
     assert ent is not None
     (lp * w).sum().add((ent * w).sum()).backward()
     torch.testing.assert_close(lp.double(), ref_lp)

@@ -25,7 +25,9 @@ def test_ppo_clip_asymmetric_by_hand() -> None:
     ratios = [1.5, 0.5, 1.1, 0.7, 1.25]
     logp = torch.log(t(*ratios))
     adv = t(1.0, -1.0, 1.0, -1.0, 2.0)
-    loss, clipped = ppo_clip_loss(logp, torch.zeros(5, dtype=torch.float64), adv, clip_low=0.2, clip_high=0.28)
+    loss, clipped = ppo_clip_loss(
+        logp, torch.zeros(5, dtype=torch.float64), adv, clip_low=0.2, clip_high=0.28
+    )
     # r=1.5,A=1 -> -min(1.5, 1.28) = -1.28 ; r=0.5,A=-1 -> max(0.5, 0.8) = 0.8 ; r=1.1 -> -1.1
     # r=0.7,A=-1 -> max(0.7, 0.8) = 0.8 ; r=1.25 (inside the high bound 1.28), A=2 -> -2.5
     assert loss.tolist() == pytest.approx([-1.28, 0.8, -1.1, 0.8, -2.5])
@@ -34,7 +36,9 @@ def test_ppo_clip_asymmetric_by_hand() -> None:
 
 def test_ppo_clip_gradient_is_zero_when_clipped() -> None:
     logp = torch.log(t(1.5, 1.1)).requires_grad_(True)
-    loss, _ = ppo_clip_loss(logp, torch.zeros(2, dtype=torch.float64), t(1.0, 1.0), clip_low=0.2, clip_high=0.2)
+    loss, _ = ppo_clip_loss(
+        logp, torch.zeros(2, dtype=torch.float64), t(1.0, 1.0), clip_low=0.2, clip_high=0.2
+    )
     loss.sum().backward()
     assert logp.grad is not None
     # d(-A r)/dlogp = -A r = -1.1 for the unclipped token, 0 for the clipped one
@@ -70,7 +74,11 @@ MASK = [[1, 1, 0], [1, 0, 0]]
 
 @pytest.mark.parametrize(
     ("mode", "expected"),
-    [("token_mean", 7.0 / 3.0), ("seq_mean_token_mean", (1.5 + 4.0) / 2), ("seq_mean_token_sum", (3.0 + 4.0) / 2)],
+    [
+        ("token_mean", 7.0 / 3.0),
+        ("seq_mean_token_mean", (1.5 + 4.0) / 2),
+        ("seq_mean_token_sum", (3.0 + 4.0) / 2),
+    ],
 )
 def test_aggregation_by_hand(mode: str, expected: float) -> None:
     loss, mask = torch.tensor(LOSS, dtype=torch.float64), torch.tensor(MASK)
@@ -117,7 +125,9 @@ def test_policy_loss_combines_terms_by_hand() -> None:
         entropy=t(2.0, 4.0, 100.0),
         ref_logprobs=torch.log(t(1.1, 0.5, 1.0)),
     )
-    total, parts = policy_loss(x, clip_low=0.2, clip_high=0.2, kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
+    total, parts = policy_loss(
+        x, clip_low=0.2, clip_high=0.2, kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01
+    )
     pg = 0.5 * 1.0 * -1.1 + 0.5 * 0.5 * 1.0
     kl = 0.5 * 0.0 + 0.5 * math.log(2)
     ent = 0.5 * 2.0 + 0.5 * 4.0

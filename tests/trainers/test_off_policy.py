@@ -25,14 +25,22 @@ def test_identical_logprobs_give_weight_exactly_one(mode: str) -> None:
 
 def test_tis_truncates_at_cap() -> None:
     prox = torch.log(torch.tensor([3.0, 0.5, 1.0]))
-    _, w = off_policy_weights(prox, torch.zeros(3), torch.ones(3), torch.zeros(3, dtype=torch.long), "tis", tis_cap=2.0)
+    _, w = off_policy_weights(
+        prox, torch.zeros(3), torch.ones(3), torch.zeros(3, dtype=torch.long), "tis", tis_cap=2.0
+    )
     assert w.tolist() == pytest.approx([2.0, 0.5, 1.0])
 
 
 def test_mis_token_masks_outside_bounds() -> None:
     prox = torch.log(torch.tensor([3.0, 0.4, 1.5, 0.5]))
     old, w = off_policy_weights(
-        prox, torch.zeros(4), torch.ones(4), torch.zeros(4, dtype=torch.long), "mis_token", mis_low=0.5, mis_high=2.0
+        prox,
+        torch.zeros(4),
+        torch.ones(4),
+        torch.zeros(4, dtype=torch.long),
+        "mis_token",
+        mis_low=0.5,
+        mis_high=2.0,
     )
     assert w.tolist() == pytest.approx([0.0, 0.0, 1.5, 0.5])
     assert torch.equal(old, prox)  # ratio against the proximal policy
@@ -56,7 +64,9 @@ def test_decoupled_weight_is_prox_over_behaviour_with_cap_mask() -> None:
     old, w = off_policy_weights(prox, behav, torch.ones(2), torch.zeros(2, dtype=torch.long), "decoupled")
     assert w.tolist() == pytest.approx([1.5, 3.0])
     assert torch.equal(old, prox)
-    _, w = off_policy_weights(prox, behav, torch.ones(2), torch.zeros(2, dtype=torch.long), "decoupled", decoupled_cap=2.0)
+    _, w = off_policy_weights(
+        prox, behav, torch.ones(2), torch.zeros(2, dtype=torch.long), "decoupled", decoupled_cap=2.0
+    )
     assert w.tolist() == pytest.approx([1.5, 0.0])
 
 
@@ -68,7 +78,9 @@ def test_none_mode_ratio_against_behaviour() -> None:
 
 def test_unknown_mode_is_named() -> None:
     with pytest.raises(ValueError, match="bogus"):
-        off_policy_weights(torch.zeros(1), torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long), "bogus")
+        off_policy_weights(
+            torch.zeros(1), torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long), "bogus"
+        )
 
 
 def test_mismatch_stats_by_hand() -> None:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from agentrl.trainers.logprobs import packed_logprobs, token_logprobs_from_logits
-from agentrl.trainers.packing import pack, pack_all, padding_stats, plan_micro_batches
+from agentrl.trainers.packing import (
+    PACKED_ATTENTION,
+    pack,
+    pack_all,
+    padding_stats,
+    plan_micro_batches,
+    use_packed_attention,
+)
 
 
 def test_plan_respects_budget_and_keeps_every_sequence() -> None:
@@ -43,10 +52,23 @@ def _sequences() -> list[list[int]]:
     return [torch.randint(1, 5000, (n,), generator=g).tolist() for n in (7, 13, 4, 10)]
 
 
-def test_attention_does_not_cross_sequence_boundaries(tiny_llama_path: str) -> None:
+def load(path: str, attention: str) -> Any:
+    """Tiny Llama with HF's own packed mask ("sdpa") or the trainer's per-sequence attention."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if attention == "packed_sdpa":
+        use_packed_attention(model)
+        assert model.config._attn_implementation == PACKED_ATTENTION
+    return model
+
+
+ATTENTIONS = ["sdpa", "packed_sdpa"]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_attention_does_not_cross_sequence_boundaries(tiny_llama_path: str, attention: str) -> None:
+    model = load(tiny_llama_path, attention)
     seqs = _sequences()
     b1 = pack(seqs, {}, [0, 1])
     changed = [list(seqs[0]), seqs[1]]
@@ -60,10 +82,9 @@ def test_attention_does_not_cross_sequence_boundaries(tiny_llama_path: str) -> N
     assert torch.equal(lp1[n0:], lp2[n0:])  # ... and not at all in the next one
 
 
-def test_packed_loss_and_gradients_equal_unpacked(tiny_llama_path: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_packed_loss_and_gradients_equal_unpacked(tiny_llama_path: str, attention: str) -> None:
+    model = load(tiny_llama_path, attention)
     seqs = _sequences()
     g = torch.Generator().manual_seed(1)
     weights = [torch.rand(len(s), generator=g) for s in seqs]

@@ -41,7 +41,9 @@ def test_train_step_updates_weights_and_reports_metrics(tiny_llama_path: str, bu
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
-def test_micro_batching_does_not_change_loss_or_gradients(tiny_llama_path: str, loss_agg: str, build: Any) -> None:
+def test_micro_batching_does_not_change_loss_or_gradients(
+    tiny_llama_path: str, loss_agg: str, build: Any
+) -> None:
     groups = build.groups(2, 3, seed=3)
     whole = trainer(tiny_llama_path, loss_agg=loss_agg, micro_batch_tokens=4096)
     m1 = whole.compute_gradients(groups)
@@ -63,7 +65,9 @@ def test_on_policy_data_has_no_mismatch(tiny_llama_path: str, build: Any) -> Non
         with torch.no_grad():
             logits = t.model(input_ids=ids).logits[0, :-1]
         lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-        trajs.append(build.trajectory(prompt, c, reward=float(len(c)), logprobs=lp[len(prompt) - 1 :].tolist()))
+        trajs.append(
+            build.trajectory(prompt, c, reward=float(len(c)), logprobs=lp[len(prompt) - 1 :].tolist())
+        )
     m = t.train_step([Group(task_id="x", trajectories=trajs)])
     assert m["off_policy/mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
     assert m["off_policy/max_abs_dlogp"] < 1e-4
@@ -109,7 +113,9 @@ def test_lora_merged_weights_and_adapter_disabled_reference(tiny_llama_path: str
     engine.load_state_dict(state, strict=False)
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
-        torch.testing.assert_close(engine(input_ids=ids).logits, t.model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            engine(input_ids=ids).logits, t.model(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_kl_to_frozen_reference(tiny_llama_path: str, build: Any) -> None:
@@ -125,7 +131,9 @@ def test_kl_to_frozen_reference(tiny_llama_path: str, build: Any) -> None:
 
 
 def test_kl_in_reward_and_entropy_bonus_run(tiny_llama_path: str, build: Any) -> None:
-    t = trainer(tiny_llama_path, advantage="reinforce_pp", kl={"coef": 0.1, "in_reward": True}, entropy_coef=0.01)
+    t = trainer(
+        tiny_llama_path, advantage="reinforce_pp", kl={"coef": 0.1, "in_reward": True}, entropy_coef=0.01
+    )
     m = t.train_step(build.groups(2, 2, seed=0))
     assert "kl/in_reward_mean" in m and m["entropy"] > 0
 
@@ -167,3 +175,10 @@ def test_config_errors_name_the_key() -> None:
         TrainerConfig.model_validate({"clip_hgh": 0.3})
     with pytest.raises(ValueError, match="mis_low"):
         TrainerConfig.model_validate({"off_policy": {"mode": "mis_token", "mis_low": 3.0}})
+
+
+def test_sequence_parallel_without_process_group_is_a_clear_error(tiny_llama_path: str) -> None:
+    from agentrl.trainers.torch_trainer import TrainerConfigError
+
+    with pytest.raises(TrainerConfigError, match="sequence_parallel_size=2"):
+        TorchTrainer({"sequence_parallel_size": 2}, tiny_llama_path)

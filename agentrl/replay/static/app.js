@@ -566,9 +566,13 @@ window.addEventListener("DOMContentLoaded", async () => {
   state.timer = setInterval(async () => {
     const before = state.run ? state.run.count : null;
     await refreshRun();
-    if (state.run && before !== null && state.run.count !== before && parseHash().parts[0] !== "t" && !state.playTimer) {
-      const { parts } = parseHash();
-      if (!parts.length || parts[0] === "overview") route();
+    if (!state.run || before === null || state.run.count === before) return;
+    const { parts } = parseHash();
+    if (!parts.length || parts[0] === "overview") route();
+    else if (parts[0] === "list" && !document.getElementById("new-data")) {
+      // never reshuffle a list the user is reading: offer the refresh instead
+      const pager = document.querySelector(".pager");
+      if (pager) pager.appendChild(h("button", { id: "new-data", onclick: route }, "new trajectories arrived: refresh"));
     }
   }, 4000);
 });

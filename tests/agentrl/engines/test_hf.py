@@ -142,7 +142,7 @@ async def test_update_weights_continue_new_tags_tokens(tiny_llama_path: str) -> 
     eng = HFEngine(HFEngine.Config(model=tiny_llama_path, dtype="fp32", stop_on_eos=False))
     try:
         p = eng.tokenizer.encode("Once upon a time")
-        task = asyncio.create_task(eng.generate(p, Sampling(max_tokens=60, seed=0)))
+        task = asyncio.create_task(eng.generate(p, Sampling(max_tokens=300, seed=0)))
         await wait_tokens(eng, 5)
         new = perturbed(eng.model)
         await eng.update_weights(StateDict(new), 1)

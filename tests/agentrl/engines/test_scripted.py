@@ -88,12 +88,11 @@ def test_config_rejects_unknown_keys() -> None:
 
 
 async def test_versions_change_mid_reply_and_after_updates() -> None:
-    cfg = ScriptedEngine.Config(replies=["x" * 40], per_token_s=0.002, append_eos=False)
+    cfg = ScriptedEngine.Config(replies=["x" * 500], per_token_s=0.002, append_eos=False)
     eng = ScriptedEngine(cfg)
-    task = asyncio.create_task(eng.generate([0], Sampling(max_tokens=100)))
-    while eng._active == 0:  # wait until the reply is being "decoded"
+    task = asyncio.create_task(eng.generate([0], Sampling(max_tokens=1000)))
+    while eng._active == 0:  # wait until the reply is being "decoded" (a 1 s window)
         await asyncio.sleep(0)
-    await asyncio.sleep(0.02)
     await eng.update_weights(NoBuckets(), 3)
     out = await asyncio.wait_for(task, 10)
     assert out.versions[0] == 0 and out.versions[-1] == 3

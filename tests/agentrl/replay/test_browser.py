@@ -7,7 +7,9 @@ dir; with AGENTRL_UPDATE_SCREENSHOTS=1 they are also copied to docs/.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import random
 import shutil
 import threading
 from collections.abc import Iterator
@@ -16,7 +18,9 @@ from typing import Any
 
 import pytest
 
+from agentrl.chat import SimpleChatTokenizer
 from agentrl.replay.server import serve, settings_for_bind
+from agentrl.replay.synthetic import fill_store, synthetic_group
 from agentrl.store import STORE_FILENAME, TrajectoryFilter, TrajectoryStore
 
 expect: Any = pytest.importorskip("playwright.sync_api").expect
@@ -29,16 +33,14 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
-@pytest.fixture(scope="module")
-def server(replay_run: Path, mul_plugin_dir: Path) -> Iterator[str]:
+@contextlib.contextmanager
+def running_server(store: Path) -> Iterator[str]:
     """The real server (as `agentrl replay` runs it) in a thread; yields its URL."""
-    settings = settings_for_bind(replay_run / STORE_FILENAME, "127.0.0.1", 0)
+    settings = settings_for_bind(store, "127.0.0.1", 0)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     ready = threading.Event()
     urls: list[str] = []
-    cwd = os.getcwd()
-    os.chdir(mul_plugin_dir)  # re-execution imports the run's plugin module from the cwd
 
     def on_ready(url: str) -> None:
         urls.append(url)
@@ -55,6 +57,16 @@ def server(replay_run: Path, mul_plugin_dir: Path) -> Iterator[str]:
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(replay_run: Path, mul_plugin_dir: Path) -> Iterator[str]:
+    cwd = os.getcwd()
+    os.chdir(mul_plugin_dir)  # re-execution imports the run's plugin module from the cwd
+    try:
+        with running_server(replay_run / STORE_FILENAME) as url:
+            yield url
+    finally:
         os.chdir(cwd)
 
 
@@ -257,3 +269,35 @@ def test_hostile_model_text_renders_inert(server: str, page: Any) -> None:
     page.wait_for_selector("#traj-table tbody tr")
     assert "<script>" in page.locator("#traj-table").text_content()
     assert not page.console_errors, page.console_errors
+
+
+def test_live_while_training_writes(page: Any, tmp_path: Path) -> None:
+    writer = TrajectoryStore(tmp_path / "run", commit_every=1000, commit_interval_s=3600)
+    fill_store(writer, steps=2, groups_per_step=2, group_size=2, seed=5)
+    rng, tok = random.Random(9), SimpleChatTokenizer()
+
+    def train_step(step: int) -> None:
+        for index in range(2):
+            group = synthetic_group(rng, step=step, index=100 * step + index, group_size=2, tokenizer=tok)
+            writer.add_group(group, step=step, status="trained")
+        writer.add_metrics(step, {"reward/mean": 0.5, "loss/policy": 0.0})
+        writer.commit()
+
+    try:
+        with running_server(writer.path) as url:
+            page.goto(url + "/")
+            expect(page.locator("#live-count")).to_have_text("8 trajectories")
+            page.wait_for_selector("#charts .chart svg")
+            assert "step 2" in page.locator("#charts .chart").first.text_content()
+            train_step(3)
+            expect(page.locator("#live-count")).to_have_text("12 trajectories", timeout=15_000)
+            expect(page.locator("#charts .chart").first).to_contain_text("step 3", timeout=15_000)
+            page.goto(url + "/#/list")
+            expect(page.locator("#match-count")).to_have_text("12 matching")
+            train_step(4)
+            page.wait_for_selector("#new-data", timeout=15_000)
+            assert page.locator("#traj-table tbody tr").count() == 12  # the list did not reshuffle by itself
+            page.click("#new-data")
+            expect(page.locator("#match-count")).to_have_text("16 matching")
+    finally:
+        writer.close()
