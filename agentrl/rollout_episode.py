@@ -171,13 +171,14 @@ async def run_episode(
                 env_s += time.perf_counter() - t
                 last = conv.turns[-1]
                 last.reward = result.reward
-                for key in ("tool_errors", "tool_timeouts"):
-                    if key in result.info:
-                        last.info[key] = result.info[key]
                 reward += result.reward
-                extra = result.info.get("reward_breakdown")
-                if isinstance(extra, dict):
-                    breakdown.update({str(k): float(v) for k, v in extra.items()})
+                if result.info:
+                    for key in ("tool_errors", "tool_timeouts"):
+                        if key in result.info:
+                            last.info[key] = result.info[key]
+                    extra = result.info.get("reward_breakdown")
+                    if isinstance(extra, dict):
+                        breakdown.update({str(k): float(v) for k, v in extra.items()})
                 turn += 1
                 if result.terminated or result.truncated:
                     terminated, truncated = result.terminated, result.truncated

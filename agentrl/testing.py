@@ -222,8 +222,12 @@ class _Checker:
             elif m.role not in _ROLES:
                 self.problem(f"{what} message #{i} has role {m.role!r}; allowed: {', '.join(_ROLES)}")
                 ok = False
-            elif from_env and m.role == "assistant":
-                self.problem(f"{what} message #{i} has role 'assistant': env messages are system/user/tool")
+            elif from_env and m.role == "assistant" and (not what.startswith("reset") or i == len(messages) - 1):
+                # reset may hold few-shot demonstration turns, but the model must speak next
+                self.problem(
+                    f"{what} message #{i} has role 'assistant': env messages are system/user/tool"
+                    + (" (reset may include demonstration turns, but must not end on one)" if what.startswith("reset") else "")
+                )
                 ok = False
             elif not isinstance(m.content, str):
                 self.problem(f"{what} message #{i} content must be str, got {type(m.content).__name__}")

@@ -157,7 +157,7 @@ async def warm_start(config: RunConfig, parts: Parts, store: TrajectoryStore, lo
     for i in range(ws.steps):
         batch = [samples[(i * ws.batch_size + j) % len(samples)] for j in range(ws.batch_size)]
         metrics = parts.trainer.sft_step(batch)
-        log.write(-ws.steps + i, {f"sft/{k}": v for k, v in metrics.items()})
+        log.write(-ws.steps + i, {k if k.startswith("sft/") else f"sft/{k}": v for k, v in metrics.items()})
     log.console.print(f"warm start: {ws.steps} SFT steps on {len(samples)} samples ({ws.source})")
 
 

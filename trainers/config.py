@@ -116,7 +116,9 @@ class TrainerConfig(_Section):
     micro_batch_tokens: int = Field(4096, ge=16)  # token budget of one packed forward/backward
     pad_to_multiple_of: int = Field(1, ge=1)  # pad each packed row (e.g. for sequence-parallel splits)
     logprob_chunk_tokens: int = Field(1024, ge=1)  # rows of logits alive at once
-    dtype: Literal["bf16", "fp32"] = "bf16"  # autocast dtype; master weights stay fp32
+    # bf16: autocast where the device has native bf16 (CUDA; CPUs with AVX512-BF16/AMX), else fp32.
+    # Master weights and the lm_head/logprobs stay fp32 either way.
+    dtype: Literal["bf16", "fp32"] = "bf16"
     # packed_sdpa: one causal SDPA per packed sequence (cost sum len^2, no mask); sdpa/eager: HF's
     # block-diagonal mask from the position ids (cost T^2 per row); flash_attention_2: varlen kernel (GPU)
     attention: Literal["packed_sdpa", "sdpa", "eager", "flash_attention_2"] = "packed_sdpa"

@@ -393,6 +393,9 @@ async def test_cancellation_leaks_no_tasks_and_closes_envs(tok: SimpleChatTokeni
     assert CalcEnv.open_envs == 0
     state = manager.state()
     assert not set(state["done"]) & set(state["in_flight"])
+    # resume cursor: every issued task is either done or to be re-run
+    assert set(state["done"]) | set(state["in_flight"]) == set(range(state["issued"]))
+    assert len(state["done"]) == 1 and state["in_flight"]
 
 
 async def test_ctrl_c_style_cancel_of_the_consumer(tok: SimpleChatTokenizer) -> None:

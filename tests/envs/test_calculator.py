@@ -233,10 +233,10 @@ async def test_few_shot_demonstrations_are_prompt_tokens() -> None:
 async def test_check_env_passes() -> None:
     from agentrl.testing import acheck_env
 
-    # few_shot=0: check_env (agentrl.testing) refuses assistant messages in reset(),
-    # which few-shot demonstrations are; see the report to the lead.
-    report = await acheck_env(small(few_shot=0), n_episodes=2)
-    assert report.episodes == 2
+    # with and without few-shot demonstration turns in the prompt
+    for k in (0, 2):
+        report = await acheck_env(small(few_shot=k), n_episodes=2)
+        assert report.episodes == 2
 
 
 async def test_run_episode_with_the_scripted_engine() -> None:
@@ -269,7 +269,9 @@ async def test_run_episode_with_the_scripted_engine() -> None:
 @pytest.mark.model
 def test_smollm2_makes_tool_calls_with_the_default_prompt(smollm2_path: str) -> None:
     """SmolLM2-135M on the default prompt (2 demonstrations): how often is the first reply a
-    well-formed calculator call? MACHINE_NOTES measured 59/64 with two demonstrations."""
+    well-formed calculator call (parsed, right tool, valid arguments)? Sampled at temperature
+    0.7; measured here (bf16, seed 0): 5/8 well-formed at 0.7, 2/8 at 1.0 (3/8 in `plain` style).
+    Nearly every reply starts with <tool_call>; failures are broken JSON or invented tool names."""
     import asyncio
 
     import torch
@@ -296,7 +298,7 @@ def test_smollm2_makes_tool_calls_with_the_default_prompt(smollm2_path: str) -> 
             attention_mask=attention,
             max_new_tokens=40,
             do_sample=True,
-            temperature=1.0,
+            temperature=0.7,
             top_k=0,
             eos_token_id=list(tok.eos_ids),
             pad_token_id=pad,
