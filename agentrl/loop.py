@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -43,41 +43,54 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
         await warm_start(config, parts, store, log)
     await parts.engine.update_weights(parts.trainer.state_for_engines(), parts.trainer.policy_version)
     stream = TaskStream(parts.train_tasks, seed=config.run.seed)
-    rollouts = RolloutManager(parts.env_factory, stream.iterate(store.cursors()), parts.engine, parts.tokenizer,
-                              config.rollout, start_version=parts.trainer.policy_version)
+
+    lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
 
     def save(at_step: int) -> None:
         run.save_checkpoint(at_step, lambda d: parts.trainer.save(d, {"step": at_step}))
 
+    async def train_on(batch: list[Group], progress: TrainProgress, extra: Callable[[], dict[str, float]]) -> bool:
+        """One optimizer step, weight sync, store + metrics + checkpoint; True when the run is done."""
+        nonlocal step
+        started = time.perf_counter()
+        metrics = await _off_thread(lock, parts.trainer.train_step, batch)
+        step += 1
+        await parts.engine.update_weights(parts.trainer.state_for_engines(), parts.trainer.policy_version)
+        metrics |= extra() | batch_metrics(batch, parts.trainer.policy_version)
+        metrics["time/step_s"] = time.perf_counter() - started
+        for group in batch:
+            if group.id in stored:
+                store.set_group_step(group.id, step=step)
+            else:
+                store.add_group(group, step=step, status="trained")
+        store.add_metrics(step, metrics)
+        store.commit()
+        if config.run.eval_every and step % config.run.eval_every == 0:
+            metrics |= await run_eval(config, parts, store, step=step)
+        log.write(step, metrics)
+        progress.update(step, metrics)
+        if step % config.run.save_every == 0 or step >= config.run.steps:
+            await _off_thread(lock, save, step)
+        return step >= config.run.steps
+
     try:
-        lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
-        async with rollouts:
-            with TrainProgress(config.run.steps, start_step=step, console=log.console) as progress:
-                if step == 0 and config.run.eval_every:
-                    log.write(0, await run_eval(config, parts, store, step=0))
-                async for batch in _batches(retrain, rollouts.groups(), config.rollout.groups_per_step):
-                    started = time.perf_counter()
-                    metrics = await _off_thread(lock, parts.trainer.train_step, batch)
-                    step += 1
-                    await parts.engine.update_weights(parts.trainer.state_for_engines(),
-                                                      parts.trainer.policy_version)
+        with TrainProgress(config.run.steps, start_step=step, console=log.console) as progress:
+            if step == 0 and config.run.eval_every:
+                log.write(0, await run_eval(config, parts, store, step=0))
+            size = config.rollout.groups_per_step
+            for i in range(0, len(retrain), size):  # stored groups whose update died with a crash
+                if await train_on(retrain[i : i + size], progress, dict):
+                    return run.path
+            rollouts = RolloutManager(parts.env_factory, stream.iterate(store.cursors()), parts.engine,
+                                      parts.tokenizer, config.rollout, start_version=parts.trainer.policy_version)
+            async with rollouts:
+                async for batch in _batches(rollouts.groups(), size):
+                    done = await train_on(batch, progress, rollouts.metrics)
                     rollouts.set_trainer_version(parts.trainer.policy_version)
-                    metrics |= rollouts.metrics() | batch_metrics(batch, parts.trainer.policy_version)
-                    metrics["time/step_s"] = time.perf_counter() - started
-                    for group in batch:
-                        if group.id in stored:
-                            store.set_group_step(group.id, step=step)
-                        else:
-                            store.add_group(group, step=step, status="trained")
-                    store.add_metrics(step, metrics)
-                    store.commit()
-                    if config.run.eval_every and step % config.run.eval_every == 0:
-                        metrics |= await run_eval(config, parts, store, step=step)
-                    log.write(step, metrics)
-                    progress.update(step, metrics)
-                    if step % config.run.save_every == 0 or step >= config.run.steps:
-                        await _off_thread(lock, save, step)
-                    if step >= config.run.steps:
+                    for group, reason in rollouts.drain_dropped():
+                        if reason != "stale":  # a stale group's task is sampled again, not consumed
+                            store.add_group(group, step=step, status=f"dropped:{reason}")
+                    if done:
                         break
     except (KeyboardInterrupt, asyncio.CancelledError):
         log.console.print(f"[yellow]interrupted: writing a checkpoint at step {step}[/]")
@@ -101,16 +114,9 @@ def _restore(run: RunDir, parts: Parts, store: TrajectoryStore) -> tuple[int, li
     return step, store.groups_after(step, status="trained")
 
 
-async def _batches(
-    retrain: Sequence[Group], live: AsyncIterator[Group], size: int
-) -> AsyncIterator[list[Group]]:
-    """Stored groups to re-train first (by their stored step), then live ones, in batches."""
+async def _batches(live: AsyncIterator[Group], size: int) -> AsyncIterator[list[Group]]:
+    """Finished groups, `size` at a time."""
     batch: list[Group] = []
-    for group in retrain:
-        batch.append(group)
-        if len(batch) == size:
-            yield batch
-            batch = []
     async for group in live:
         batch.append(group)
         if len(batch) == size:

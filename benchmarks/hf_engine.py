@@ -4,7 +4,9 @@ Same model (SmolLM2-135M-Instruct), same dtype, same 32 chat prompts, same
 max new tokens and sampling (temperature 1.0), in one run. Tokens counted are
 the sampled tokens up to and including eos (padding after eos is not counted).
 `--with-generate-batch` also times transformers' own continuous batching
-(`model.generate_batch`) on the same prompts.
+(`model.generate_batch`) on the same prompts. On the 2-core/24 GiB reference
+machine that step was killed twice without a traceback (memory jumped by
+~7 GiB first: probably the OOM killer), so it is off by default.
 
 Summary line: engine_vs_generate=<engine tok/s / generate tok/s> ...
 """

@@ -42,7 +42,10 @@ def _chunk_stats(
     # the head runs in fp32 even under autocast: logprob precision matters for the
     # train/inference mismatch, and on CPU a bf16 [chunk x 49k] matmul is ~4x slower
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = lm_head(hidden.float()).float()
+        h = hidden if hidden.dtype in (torch.float32, torch.float64) else hidden.float()
+        logits = lm_head(h)
+        if logits.dtype != torch.float64:
+            logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)

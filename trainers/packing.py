@@ -14,6 +14,7 @@ travel alongside, packed the same way.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -203,7 +204,15 @@ def packed_sdpa_attention(
     t = query.shape[2]
     if query.shape[0] != 1 or position_ids is None or attention_mask is not None or key.shape[2] != t:
         return sdpa_attention_forward(  # type: ignore[no-any-return]
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
         )
     starts = (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()
     if not starts or starts[0] != 0:
@@ -216,7 +225,7 @@ def packed_sdpa_attention(
         torch.nn.functional.scaled_dot_product_attention(
             query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling
         )
-        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+        for s, e in itertools.pairwise(bounds)
         if e > s
     ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None

@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 import random
 import time
-from pathlib import Path
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
