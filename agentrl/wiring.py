@@ -16,9 +16,9 @@ from agentrl.chat import ChatTokenizer, HFChatTokenizer
 from agentrl.config import RunConfig
 from agentrl.demonstrations import demonstration_sample
 from agentrl.engines.base import InferenceEngine
-from agentrl.errors import ConfigError
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
+from agentrl.errors import ConfigError
 from agentrl.evaluation import EvalResult, evaluate
 from agentrl.metrics_log import MetricsLog
 from agentrl.store import TrajectoryStore

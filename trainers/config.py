@@ -126,6 +126,9 @@ class TrainerConfig(_Section):
     lora: LoRAConfig | None = None
     sequence_parallel_size: int = Field(1, ge=1)
     weight_bucket_mb: float = Field(256.0, gt=0.0)
+    # per-token trainer logprobs, advantages and importance weights into each trajectory's
+    # info["token_stats"] for the replay token view (about triples a stored trajectory's size)
+    record_token_stats: bool = True
 
     seed: int = 0
 

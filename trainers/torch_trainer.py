@@ -47,6 +47,7 @@ from agentrl.trainers.logprobs import (
 from agentrl.trainers.losses import PolicyLossInputs, aggregation_weights, kl_estimate, policy_loss
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
 from agentrl.trainers.packing import PackedBatch, pack, pack_all, padding_stats, use_packed_attention
+from agentrl.trainers.token_stats import TokenStatsRecorder
 from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 from torch import nn
 
@@ -288,6 +289,7 @@ class TorchTrainer:
         cfg = self.config
         nested = [[t.tokens() for t in g.trajectories] for g in groups if g.trajectories]
         samples = [s for g in nested for s in g]
+        trajectories = [t for g in groups for t in g.trajectories]  # aligned with samples
         if not samples:
             raise ValueError("train_step got no trajectories")
         ids = [s.input_ids for s in samples]
@@ -344,6 +346,7 @@ class TorchTrainer:
 
         sums: dict[str, float] = {}
         stats = MismatchStats()
+        recorder = TokenStatsRecorder() if cfg.record_token_stats else None
         partition = _split(len(samples), cfg.mini_batches)
         first_epoch_batches: list[PackedBatch] = []
         mine_set = set(mine)
@@ -351,10 +354,13 @@ class TorchTrainer:
             for part in partition:
                 local = [i for i in part if i in mine_set]
                 batches = self._pack(ids, fields, local)
-                if _epoch == 0:
+                first = _epoch == 0
+                if first:
                     first_epoch_batches.extend(batches)
                 counts = _counts(fields["loss_mask"], part)
-                part_sums = self._accumulate(batches, counts, fields, stats if _epoch == 0 else None)
+                part_sums = self._accumulate(
+                    batches, counts, fields, stats if first else None, recorder if first else None
+                )
                 for k, v in part_sums.items():
                     sums[k] = sums.get(k, 0.0) + v
                 if not apply:
@@ -366,6 +372,8 @@ class TorchTrainer:
                     sums["critic/loss"] = sums.get("critic/loss", 0.0) + float(
                         all_reduce_sum(torch.tensor(crit["critic/loss_local"]), self.world)
                     )
+        if recorder is not None:
+            recorder.write(trajectories, fields["loss_mask"], fields["advantages"])
         pack_metrics = self._padding_metrics(first_epoch_batches, ids)
         metrics |= self._finish(sums, stats, updates, len(samples), pack_metrics)
         if apply:
@@ -384,13 +392,19 @@ class TorchTrainer:
         counts: tuple[int, int, dict[int, int]],
         fields: Mapping[str, Sequence[torch.Tensor]],
         stats: MismatchStats | None,
+        recorder: TokenStatsRecorder | None = None,
     ) -> dict[str, float]:
-        """Forward/backward over this rank's micro-batches of one mini-batch; grads accumulate."""
+        """Forward/backward over this rank's micro-batches of one mini-batch; grads accumulate.
+
+        `stats` and `recorder` (first epoch only) collect the mismatch diagnostics and the
+        per-token values for `info["token_stats"]` from the same forward pass.
+        """
         cfg = self.config
         num_seqs, num_tokens, seq_len = counts
         self.optimizer.zero_grad(set_to_none=True)
         if not batches:
             batches = [self._dummy_batch(list(fields))]
+            recorder = None  # the dummy batch is no trajectory
         sums = torch.zeros(5, dtype=torch.float64)  # loss, pg, kl, entropy_sum, clipped_tokens
         for k, b in enumerate(batches):
             b = b.to(self.device)
@@ -459,6 +473,8 @@ class TorchTrainer:
                     mode=cfg.off_policy.mode,
                     tis_cap=cfg.off_policy.tis_cap,
                 )
+            if recorder is not None:
+                recorder.add(b, prox, is_w)
         total = all_reduce_sum(sums, self.world)
         return {
             "loss": float(total[0]),

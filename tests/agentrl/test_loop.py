@@ -9,6 +9,7 @@ parameters the engine then serves.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -70,6 +71,29 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
     assert model.config.num_hidden_layers == 2
+    asyncio.run(_replay_serves_the_run(run))
+
+
+async def _replay_serves_the_run(run: Path) -> None:
+    """The inspector reads a real training run: list, filter, open, token view, group view."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from agentrl.replay.server import ReplaySettings, create_app
+
+    app = create_app(ReplaySettings(run / "trajectories.sqlite"))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        listed = await (await client.get("/api/trajectories", params={"status": "trained", "limit": "100"})).json()
+        assert len(listed["items"]) == 3 * 2 * 4
+        first = listed["items"][0]
+        detail = await (await client.get(f"/api/trajectories/{first['id']}")).json()
+        tokens = detail["tokens"]
+        assert len(tokens["ids"]) == len(tokens["loss_mask"]) == len(tokens["logprobs"]) == len(tokens["versions"])
+        assert tokens["text"] is not None and any(tokens["loss_mask"])
+        assert detail["status"] == "trained" and detail["step"] in (1, 2, 3)
+        group = await client.get(f"/api/groups/{detail['trajectory']['group_id']}")
+        assert group.status == 200
+        metrics = await (await client.get("/api/metrics")).json()
+        assert [m["step"] for m in metrics["metrics"] if m["step"] >= 1] == [1, 2, 3]
 
 
 def test_math_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:

@@ -2,7 +2,8 @@
 
 argv: model_path out_dir configs_json (a list). Rank/world come from torchrun-style env vars.
 For each config writes the metrics and the gradients this rank ends up with after
-the gradient all-reduce (DDP, or sequence-parallel reduction) to `{index}_rank{rank}.pt`.
+the gradient all-reduce (DDP, or sequence-parallel reduction), and the token stats it
+wrote into the trajectories (None where it did not), to `{index}_rank{rank}.pt`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ def main() -> None:
     torch.set_num_threads(1)
     for k, config in enumerate(configs):
         trainer = TorchTrainer(config, model_path)
-        metrics = trainer.compute_gradients(random_groups(3, 3, seed=7))
+        groups = random_groups(3, 3, seed=7)
+        metrics = trainer.compute_gradients(groups)
         grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
-        torch.save({"metrics": metrics, "grads": grads}, out / f"{k}_rank{world.rank}.pt")
+        token_stats = [tr.info.get("token_stats") for g in groups for tr in g.trajectories]
+        torch.save(
+            {"metrics": metrics, "grads": grads, "token_stats": token_stats}, out / f"{k}_rank{world.rank}.pt"
+        )
     torch.distributed.destroy_process_group()
 
 

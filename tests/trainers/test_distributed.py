@@ -48,7 +48,9 @@ def test_two_gloo_ranks_dp_and_sp_match_one_process(tiny_llama_path: str, tmp_pa
     from agentrl.trainers.torch_trainer import TorchTrainer
 
     single = TorchTrainer(CONFIG, tiny_llama_path)
-    m1 = single.compute_gradients(build.groups(3, 3, seed=7))
+    groups = build.groups(3, 3, seed=7)
+    m1 = single.compute_gradients(groups)
+    stats1 = [tr.info["token_stats"] for g in groups for tr in g.trajectories]
     g1 = {n: p.grad for n, p in single.model.named_parameters() if p.grad is not None}
     for k, rank in [(k, r) for k in range(len(RUNS)) for r in range(2)]:
         got = torch.load(tmp_path / f"{k}_rank{rank}.pt", weights_only=False)
@@ -67,3 +69,13 @@ def test_two_gloo_ranks_dp_and_sp_match_one_process(tiny_llama_path: str, tmp_pa
                 atol=1e-5 * float(g.abs().max()),
                 msg=f"run {k} rank {rank}: {n}",
             )
+    # token stats: under DP each rank fills the trajectories it trained on, under SP every rank all
+    for k in range(len(RUNS)):
+        ranks = [torch.load(tmp_path / f"{k}_rank{r}.pt", weights_only=False)["token_stats"] for r in (0, 1)]
+        filled = [[s for s in pair if s is not None] for pair in zip(*ranks, strict=True)]
+        assert [len(f) for f in filled] == [1 if k == 0 else 2] * len(stats1), f"run {k}"
+        for got, want in zip(filled, stats1, strict=True):
+            for s in got:
+                assert s["advantages"] == want["advantages"] and s["is_mask"] == want["is_mask"]
+                for a, b in zip(s["trainer_logprobs"], want["trainer_logprobs"], strict=True):
+                    assert (a is None and b is None) or a == pytest.approx(b, abs=1e-4)
