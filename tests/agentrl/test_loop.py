@@ -65,7 +65,9 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
         trained = [r for r in store.iter_records() if r.status == "trained"]
         assert len(trained) == 3 * 2 * 4
         assert all(sum(r.trajectory.loss_mask) > 0 for r in trained)
-        assert all(r.trajectory.metrics.get("retokenization_drift", 0.0) == 0.0 for r in trained)
+        # recorded on every episode; a random model samples non-canonical token sequences,
+        # so here (unlike in the golden template tests) it need not be 0
+        assert all(0.0 <= r.trajectory.metrics["retokenization_drift"] <= 1.0 for r in trained)
     checkpoint = run / "checkpoints" / "step-000003"
     from transformers import AutoModelForCausalLM
 
