@@ -171,7 +171,7 @@ class Turn:
         return {
             "start": self.start,
             "end": self.end,
-            "reward": self.reward,
+            "reward": _float_to_json(self.reward),
             "tool_calls": list(self.tool_calls),
             "info": self.info,
         }
@@ -181,7 +181,7 @@ class Turn:
         return cls(
             start=d["start"],
             end=d["end"],
-            reward=d.get("reward", 0.0),
+            reward=_float_from_json(d.get("reward", 0.0)),
             tool_calls=list(d.get("tool_calls", [])),
             info=dict(d.get("info", {})),
         )

@@ -1,0 +1,6 @@
+"""Make helper modules in this folder (shared hypothesis strategies) importable."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
