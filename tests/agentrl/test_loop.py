@@ -74,6 +74,31 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
     model = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
     assert model.config.num_hidden_layers == 2
     asyncio.run(_replay_serves_the_run(run))
+    _plot_and_eval_the_run(run, checkpoint)
+
+
+def _plot_and_eval_the_run(run: Path, checkpoint: Path) -> None:
+    """`agentrl plot` draws the curves; `agentrl eval --checkpoint` scores and records into the run."""
+    plotted = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "plot", str(run)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert plotted.returncode == 0, plotted.stderr[-2000:]
+    png = run / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "eval", str(REPO / "examples" / "calculator.yaml"),
+         "--checkpoint", str(checkpoint), "--samples", "2", "--tasks", "3",
+         "engine.dtype=fp32", "rollout.max_new_tokens_per_turn=8", "rollout.max_turns=2"],
+        capture_output=True, text=True, timeout=600, env=_env(),
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    summary = json.loads(evaluated.stdout)
+    assert summary["tasks"] == 3 and summary["samples"] == 2
+    assert 0.0 <= summary["reward_mean"] <= 1.0 and {"pass@1", "pass@2"} <= summary.keys()
+    assert json.loads((run / "eval.json").read_text())[-1] == summary
+    with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
+        evals = [r for r in store.iter_records() if r.status == "eval" and r.step is None]
+        assert len(evals) == 3 * 2
 
 
 async def _replay_serves_the_run(run: Path) -> None:
