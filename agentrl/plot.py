@@ -8,8 +8,9 @@ from agentrl.metrics_log import read_metrics
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward/mean", "eval/reward_mean")),
-    ("loss", ("loss/policy", "loss/total")),
-    ("off-policy", ("mismatch/kl", "staleness/mean")),
+    ("loss", ("loss", "pg_loss")),
+    ("off-policy", ("off_policy/mismatch_kl", "staleness/mean")),
+    ("entropy", ("entropy",)),
     ("throughput (tok/s)", ("rollout/tokens_per_s",)),
 )
 
