@@ -173,12 +173,12 @@ class SimpleChatTokenizer:
         cached = self._cache.get(text)
         if cached is not None:  # chat deltas repeat: headers, generation prompts
             return cached.copy()
-        out: list[int] = []
-        for i, piece in enumerate(self._SPLIT.split(text)):
-            if i % 2:
-                out.append(self.special_ids[piece])
-            elif piece:
-                out.extend(piece.encode("utf-8"))
+        pieces = self._SPLIT.split(text)  # text, special, text, special, ..., text
+        out = list(pieces[0].encode("utf-8"))
+        special_ids = self.special_ids
+        for i in range(1, len(pieces), 2):
+            out.append(special_ids[pieces[i]])
+            out += pieces[i + 1].encode("utf-8")
         if len(text) <= self.CACHE_TEXT_CHARS:
             if len(self._cache) >= self.CACHE_ENTRIES:
                 self._cache.clear()
@@ -186,6 +186,10 @@ class SimpleChatTokenizer:
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
+        try:  # the common case, bytes only
+            return bytes(ids).decode("utf-8", errors="replace")
+        except ValueError:  # special (or unknown) ids among them
+            pass
         out: list[str] = []
         buf = bytearray()
         for i in ids:
@@ -318,9 +322,11 @@ def closing_remainder(sampled: Sequence[int], closing: Sequence[int], eos_ids: S
     template writes ``<|eot_id|>``) that id stands in for the closing's first
     token. Otherwise (stop string, length limit) the whole closing is missing.
     """
-    for k in range(min(len(sampled), len(closing)), 0, -1):
-        if list(sampled[-k:]) == list(closing[:k]):
-            return list(closing[k:])
+    owed = list(closing)
+    tail = list(sampled[-len(owed) :]) if owed else []
+    for k in range(len(tail), 0, -1):
+        if tail[-k:] == owed[:k]:
+            return owed[k:]
     if sampled and closing and sampled[-1] in eos_ids and closing[0] in eos_ids:
         return list(closing[1:])
     return list(closing)
@@ -366,10 +372,12 @@ def token_drift(actual: Sequence[int], reference: Sequence[int]) -> float:
     blocks of a longest-common-subsequence style alignment (difflib). 0.0 iff
     the sequences are equal; 1.0 when nothing lines up.
     """
-    if list(actual) == list(reference):
+    actual = actual if isinstance(actual, list) else list(actual)
+    reference = reference if isinstance(reference, list) else list(reference)
+    if actual == reference:
         return 0.0
     longest = max(len(actual), len(reference))
-    matcher = difflib.SequenceMatcher(None, list(actual), list(reference), autojunk=False)
+    matcher = difflib.SequenceMatcher(None, actual, reference, autojunk=False)
     matched = sum(block.size for block in matcher.get_matching_blocks())
     return 1.0 - matched / longest
 

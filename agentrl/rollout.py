@@ -31,7 +31,7 @@ from agentrl.chat import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
 from agentrl.env import Env, Task
 from agentrl.rollout_config import FailurePolicy, RolloutConfig
-from agentrl.rollout_episode import EpisodeFailure, classify, run_episode
+from agentrl.rollout_episode import EpisodeFailure, classify, run_episode, within
 from agentrl.rollout_metrics import RolloutMetrics
 from agentrl.types import EpisodeError, ErrorClass, Group, Trajectory, new_id
 
@@ -304,8 +304,7 @@ class RolloutManager:
         attempt = 0
         while True:
             seed = ((self._seed * 1_000_003 + position) * 1009 + index) * 31 + attempt
-            async with asyncio.timeout(self._stall_timeout_s):
-                await self._slots.acquire()
+            await within(self._slots.acquire(), self._stall_timeout_s)
             try:
                 traj = await self._one(task, group_id, index, seed % (2**62))
             finally:
@@ -334,8 +333,7 @@ class RolloutManager:
             )
         finally:
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(self.config.env_timeout_s):
-                    await env.close()
+                await within(env.close(), self.config.env_timeout_s)
 
 
 def _failed(task: Task, kind: ErrorClass, message: str, group_id: str, index: int, seed: int) -> Trajectory:

@@ -57,23 +57,29 @@ class _Failed(Exception):
         self.kind = kind
 
 
-async def _bounded(aw: Awaitable[T], timeout_s: float, kind: ErrorClass, what: str) -> T:
-    """Await `aw` under a deadline; any failure becomes a classified `_Failed`.
+async def within(aw: Awaitable[T], timeout_s: float) -> T:
+    """Await `aw` under a deadline of `timeout_s` (TimeoutError when it passes).
 
     The coroutine's first step runs before the deadline is armed: one that
-    finishes without suspending (a zero-latency engine or env) never pays for
-    a timer, which keeps the rollout loop's overhead per env step low.
+    finishes without suspending (a zero-latency engine or env, a free
+    semaphore) never pays for a timer, which keeps the rollout loop's overhead
+    per env step low. Every await that does suspend runs under the deadline.
     """
-    try:
-        if not isinstance(aw, types.CoroutineType):
-            async with asyncio.timeout(timeout_s):
-                return await aw
-        try:
-            first = aw.send(None)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    if not isinstance(aw, types.CoroutineType):
         async with asyncio.timeout(timeout_s):
-            return await _resume(aw, first)
+            return await aw
+    try:
+        first = aw.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    async with asyncio.timeout(timeout_s):
+        return await _resume(aw, first)
+
+
+async def _bounded(aw: Awaitable[T], timeout_s: float, kind: ErrorClass, what: str) -> T:
+    """Await `aw` under a deadline (`within`); any failure becomes a classified `_Failed`."""
+    try:
+        return await within(aw, timeout_s)
     except TimeoutError as e:
         raise _Failed(classify(e, kind), f"{what} timed out after {timeout_s}s") from e
     except Exception as e:

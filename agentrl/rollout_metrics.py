@@ -41,7 +41,8 @@ class RolloutMetrics:
         self.tokens += traj.num_sampled_tokens
         self.turns += len(traj.turns)
         for turn in traj.turns:
-            self.tool_calls.update(turn.tool_calls)
+            if turn.tool_calls:
+                self.tool_calls.update(turn.tool_calls)
         if traj.error is not None:
             self.errors[traj.error.kind.value] += 1
 

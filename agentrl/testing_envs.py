@@ -37,8 +37,14 @@ class TrivialEnv(Env):
     def __init__(self, config: TrivialEnvConfig | None = None) -> None:
         super().__init__(config)
         self._turn = 0
-        self._rng = random.Random(self.config.seed)
+        self._rng_instance: random.Random | None = None  # made on first use: seeding costs ~6 us
         self._reply = [Message(role="user", content="ok")]
+
+    def _rng(self) -> random.Random:
+        """The latency RNG, seeded with `config.seed` when first needed."""
+        if self._rng_instance is None:
+            self._rng_instance = random.Random(self.config.seed)
+        return self._rng_instance
 
     def tasks(self, split: str = "train") -> Iterable[Task]:
         return ({"id": f"{split}-{i}", "prompt": f"task {i}"} for i in range(self.config.num_tasks))
@@ -46,13 +52,13 @@ class TrivialEnv(Env):
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
         self._turn = 0
         if seed is not None and not self.config.step_latency_s.is_zero:
-            self._rng.seed(seed)
+            self._rng().seed(seed)
         return [Message(role="user", content=str(task.get("prompt", "go")))], {}
 
     async def step(self, action: Message) -> StepResult:
         latency = self.config.step_latency_s
         if not latency.is_zero:
-            await asyncio.sleep(latency.sample(self._rng))
+            await asyncio.sleep(latency.sample(self._rng()))
         self._turn += 1
         if self._turn >= self.config.turns:
             return StepResult(messages=[], reward=1.0, terminated=True)
