@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from agentrl.errors import AgentrlError
+
+if TYPE_CHECKING:
+    from agentrl.config import RunConfig
 
 
 def register(app: typer.Typer) -> None:
@@ -43,12 +46,10 @@ def eval_command(
     typer.echo(json.dumps(result, indent=2))
 
 
-async def _evaluate(run_config: object, run_dir: Path | None) -> dict[str, object]:
-    from agentrl.config import RunConfig
+async def _evaluate(run_config: RunConfig, run_dir: Path | None) -> dict[str, object]:
     from agentrl.store import TrajectoryStore
     from agentrl.wiring import build_engine_only, evaluate_config
 
-    assert isinstance(run_config, RunConfig)
     parts = build_engine_only(run_config)
     try:
         result = await evaluate_config(run_config, parts)
