@@ -55,18 +55,18 @@ async def evaluate(
     """Run `n_samples` episodes per task; a sample passes when reward >= threshold."""
     semaphore = asyncio.Semaphore(concurrency)
 
-    async def one(task: Task, index: int) -> Trajectory:
+    async def one(task: Task, t_index: int, index: int) -> Trajectory:
         async with semaphore:
             env = env_factory()
-            try:
+            try:  # every episode gets its own seed, so samples are independent draws
                 return await run_episode(
-                    env, task, engine, tokenizer, config, seed=seed + index, group_id=str(task["id"]),
-                    sample_index=index,
+                    env, task, engine, tokenizer, config, seed=seed + t_index * n_samples + index,
+                    group_id=str(task["id"]), sample_index=index,
                 )
             finally:
                 await env.close()
 
-    jobs = [one(task, i) for task in tasks for i in range(n_samples)]
+    jobs = [one(task, t, i) for t, task in enumerate(tasks) for i in range(n_samples)]
     trajectories = list(await asyncio.gather(*jobs))
     rewards = [t.reward for t in trajectories]
     pass_at: dict[int, float] = {}
