@@ -69,6 +69,10 @@ class Env(ABC):
     async def step(self, action: Message) -> StepResult:
         """Apply the model's message; return what the env says back."""
 
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tool schemas the chat template renders into the prompt (None: no tools)."""
+        return [tool.schema() for tool in self.tools] or None
+
     def parse_action(self, text: str) -> Message:
         """Turn the model's decoded reply into an assistant message."""
         return Message(role="assistant", content=text)

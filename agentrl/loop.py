@@ -30,6 +30,7 @@ T = TypeVar("T")
 
 async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
     """Train per `config` (or continue the run at `resume`); returns the run directory."""
+    began = time.monotonic()  # `time/wall_s`: wall clock of this process, model loading included
     run = RunDir.existing(resume) if resume else RunDir.create(Path(config.run.output_dir), config.run.name)
     run.config_path.write_text(dump_config(config))
     parts = build_parts(config)
@@ -67,6 +68,7 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
         store.commit()
         if config.run.eval_every and step % config.run.eval_every == 0:
             metrics |= await run_eval(config, parts, store, step=step)
+        metrics["time/wall_s"] = time.monotonic() - began
         log.write(step, metrics)
         progress.update(step, metrics)
         if step % config.run.save_every == 0 or step >= config.run.steps:
@@ -76,7 +78,7 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
     try:
         with TrainProgress(config.run.steps, start_step=step, console=log.console) as progress:
             if step == 0 and config.run.eval_every:
-                log.write(0, await run_eval(config, parts, store, step=0))
+                log.write(0, await run_eval(config, parts, store, step=0) | {"time/wall_s": time.monotonic() - began})
             size = config.rollout.groups_per_step
             for i in range(0, len(retrain), size):  # stored groups whose update died with a crash
                 if await train_on(retrain[i : i + size], progress, dict):

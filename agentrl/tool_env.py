@@ -37,6 +37,11 @@ class ToolEnvConfig(EnvConfig):
         10.0, gt=0, description="per-call limit (a tool's own timeout_s may be stricter)"
     )
     max_tool_calls_per_turn: int = Field(8, ge=1, description="calls past this in one reply are refused")
+    tools_in_prompt: bool = Field(
+        True,
+        description="render the tool schemas into the prompt; false when the system prompt or "
+        "demonstrations already show the calls (saves the template's schema boilerplate)",
+    )
 
 
 class ToolEnv(Env):
@@ -82,6 +87,9 @@ class ToolEnv(Env):
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools]
+
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        return (self.tool_schemas() or None) if self.config.tools_in_prompt else None
 
     def parse_action(self, text: str) -> Message:
         parsed = self.parser.parse(text)

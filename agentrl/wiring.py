@@ -172,5 +172,5 @@ def _warm_start_samples(config: RunConfig, parts: Parts) -> list[TrainSample]:
         finally:
             old.close()
     env = parts.env_factory()
-    tools = [t.schema() for t in env.tools] or None
+    tools = env.prompt_tools()  # rendered exactly as rollouts render them
     return [demonstration_sample(parts.tokenizer, demo, tools=tools) for demo in env.demonstrations()]

@@ -123,6 +123,11 @@ class TrainerConfig(_Section):
     # block-diagonal mask from the position ids (cost T^2 per row); flash_attention_2: varlen kernel (GPU)
     attention: Literal["packed_sdpa", "sdpa", "eager", "flash_attention_2"] = "packed_sdpa"
     gradient_checkpointing: bool = False
+    # GRPO groups share their prompt: run each group's common loss-free prefix once and let the
+    # samples' suffixes attend to its KV (exact logprobs and gradients, far fewer tokens when
+    # prompts dominate). Needs attention=packed_sdpa and sequence_parallel_size=1.
+    shared_prefix: bool = False
+    shared_prefix_min_tokens: int = Field(16, ge=1)  # shorter common prefixes are not worth a family
     lora: LoRAConfig | None = None
     sequence_parallel_size: int = Field(1, ge=1)
     weight_bucket_mb: float = Field(256.0, gt=0.0)
@@ -138,6 +143,11 @@ class TrainerConfig(_Section):
             raise ValueError("trainer.advantage='gae' needs a trainer.critic section (e.g. critic: {})")
         if self.schedule != "constant" and self.total_steps is None:
             raise ValueError(f"trainer.schedule={self.schedule!r} needs trainer.total_steps")
+        if self.shared_prefix and (self.attention != "packed_sdpa" or self.sequence_parallel_size != 1):
+            raise ValueError(
+                "trainer.shared_prefix=true needs trainer.attention='packed_sdpa' and "
+                f"trainer.sequence_parallel_size=1 (got {self.attention!r}, {self.sequence_parallel_size})"
+            )
         if self.kl.in_reward and not self.kl.enabled:
             raise ValueError("trainer.kl.in_reward=true needs trainer.kl.coef > 0")
         return self

@@ -14,9 +14,11 @@ prompt, loss mask 0).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from agentrl.trainers.shared_prefix import shared_prefix_hidden
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -107,20 +109,40 @@ def packed_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     hidden: torch.Tensor | None = None,
+    needed: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, Sequence[tuple[int, int, int]]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropy) [T] for one packed row [1, T], aligned with the ids.
 
     `out[t]` = log p(ids[t] | earlier ids); positions where `position_ids == 0`
     (sequence starts) are 0, since the previous row token belongs to another sequence.
+    With `needed` ([T] bool, e.g. the loss mask) only those positions are scored and
+    the rest are 0: prompts and tool outputs are most tokens of an agent trajectory,
+    and the lm_head + vocabulary softmax over them is a quarter of the step's compute.
+    `shared` = (cu_seqlens, families) runs each family's common prefix once
+    (`shared_prefix.shared_prefix_hidden`); it needs `needed` inside the suffixes.
     """
+    if hidden is None and shared is not None:
+        hidden = shared_prefix_hidden(base_causal_lm(model).get_decoder(), input_ids, *shared)
     if hidden is None:
         hidden = hidden_states(model, input_ids, position_ids)
     h = hidden[0, :-1]
     targets = input_ids[0, 1:]
+    idx = None
+    if needed is not None:
+        idx = needed.reshape(-1)[1:].nonzero().flatten()
+        if idx.numel() == 0:  # keep the lm_head in the graph (DDP expects every rank to use it)
+            idx = idx.new_zeros(1)
+        h, targets = h.index_select(0, idx), targets.index_select(0, idx)
     lm_head = base_causal_lm(model).get_output_embeddings()
     logp, entropy = chunked_logprobs(
         h, targets, lm_head, chunk_tokens=chunk_tokens, temperature=temperature, with_entropy=with_entropy
     )
+    if idx is not None:
+        rows = input_ids.shape[1] - 1
+        logp = logp.new_zeros(rows).index_copy(0, idx, logp)
+        if entropy is not None:
+            entropy = entropy.new_zeros(rows).index_copy(0, idx, entropy)
     starts = position_ids[0] == 0
     zero = logp.new_zeros(1)
     logp = torch.cat([zero, logp]).masked_fill(starts, 0.0)
@@ -139,7 +161,12 @@ class PackedLogprobs(nn.Module):
         self.temperature = temperature
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, with_entropy: bool = False
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        with_entropy: bool = False,
+        needed: torch.Tensor | None = None,
+        shared: tuple[torch.Tensor, Sequence[tuple[int, int, int]]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return packed_logprobs(
             self.model,
@@ -148,6 +175,8 @@ class PackedLogprobs(nn.Module):
             chunk_tokens=self.chunk_tokens,
             temperature=self.temperature,
             with_entropy=with_entropy,
+            needed=needed,
+            shared=shared,
         )
 
 

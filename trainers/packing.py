@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from agentrl.trainers.shared_prefix import SHARED_PREFIX_KWARG
 
 
 @dataclass(slots=True)
@@ -38,6 +39,8 @@ class PackedBatch:
     sample_indices: list[int]
     fields: dict[str, torch.Tensor]  # each [T]
     num_pad: int
+    # shared-prefix families: (first sequence index, member count, prefix length); () = none
+    families: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +60,7 @@ class PackedBatch:
             sample_indices=self.sample_indices,
             fields={k: v.to(device) for k, v in self.fields.items()},
             num_pad=self.num_pad,
+            families=self.families,
         )
 
     def split(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -200,6 +204,9 @@ def packed_sdpa_attention(
     """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    prefix_len = kwargs.get(SHARED_PREFIX_KWARG)
+    if prefix_len is not None:  # suffixes [B, L] reading a shared cached prefix of prefix_len keys
+        return _prefix_suffix_attention(module, query, key, value, prefix_len, dropout, scaling), None
     position_ids = kwargs.get("position_ids")
     t = query.shape[2]
     if query.shape[0] != 1 or position_ids is None or attention_mask is not None or key.shape[2] != t:
@@ -229,6 +236,28 @@ def packed_sdpa_attention(
         if e > s
     ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _prefix_suffix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix_len: int,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Suffix query i sees every prefix key and suffix keys 0..i (right padding is never seen)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    q_len = query.shape[2]
+    mask = torch.ones(q_len, key.shape[2], dtype=torch.bool, device=query.device).tril(diagonal=prefix_len)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous()
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ supports it. `state_for_engines()` hands the weights over in named buckets.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -47,6 +48,7 @@ from agentrl.trainers.logprobs import (
 from agentrl.trainers.losses import PolicyLossInputs, aggregation_weights, kl_estimate, policy_loss
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
 from agentrl.trainers.packing import PackedBatch, pack, pack_all, padding_stats, use_packed_attention
+from agentrl.trainers.shared_prefix import find_families, layout_cost, plan_families
 from agentrl.trainers.token_stats import TokenStatsRecorder
 from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 from torch import nn
@@ -203,14 +205,16 @@ class TorchTrainer:
                 pad_token_id=self.pad_id, chunk_tokens=self.config.logprob_chunk_tokens,
                 temperature=self.config.temperature, with_entropy=with_entropy,
             )  # fmt: skip
+        needed = b.fields["loss_mask"] > 0 if "loss_mask" in b.fields else None  # every use is masked
+        shared = (b.cu_seqlens, b.families) if b.families else None
         if model is self.model:
             out: tuple[torch.Tensor, torch.Tensor | None] = self.logprob_module(
-                b.input_ids, b.position_ids, with_entropy=with_entropy
+                b.input_ids, b.position_ids, with_entropy=with_entropy, needed=needed, shared=shared
             )
             return out
         return packed_logprobs(
             model, b.input_ids, b.position_ids, chunk_tokens=self.config.logprob_chunk_tokens,
-            temperature=self.config.temperature, with_entropy=with_entropy,
+            temperature=self.config.temperature, with_entropy=with_entropy, needed=needed, shared=shared,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
@@ -225,9 +229,13 @@ class TorchTrainer:
         input_ids: Sequence[Sequence[int]],
         fields: Mapping[str, Sequence[torch.Tensor]],
         subset: Sequence[int],
+        group_of: Sequence[int] | None = None,
     ) -> list[PackedBatch]:
+        """Micro-batches of `subset`; with `group_of` (sample -> group) and shared_prefix, by family."""
         if not subset:
             return []
+        if group_of is not None and self.config.shared_prefix:
+            return self._pack_families(input_ids, fields, subset, group_of)
         return pack_all(
             input_ids,
             fields,
@@ -236,6 +244,31 @@ class TorchTrainer:
             pad_id=self.pad_id,
             subset=subset,
         )
+
+    def _pack_families(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        fields: Mapping[str, Sequence[torch.Tensor]],
+        subset: Sequence[int],
+        group_of: Sequence[int],
+    ) -> list[PackedBatch]:
+        """Whole shared-prefix families per micro-batch, members contiguous, layout recorded."""
+        groups: dict[int, list[int]] = {}
+        for i in subset:
+            groups.setdefault(group_of[i], []).append(i)
+        masks = [m.tolist() for m in fields["loss_mask"]]
+        fams = find_families(
+            list(groups.values()), input_ids, masks, min_prefix=self.config.shared_prefix_min_tokens
+        )
+        lengths = [len(x) for x in input_ids]
+        batches: list[PackedBatch] = []
+        for bin_ in plan_families(fams, lengths, self.config.micro_batch_tokens):
+            order = [m for f in bin_ for m in f.members]
+            b = pack(input_ids, fields, order, pad_to_multiple_of=self.config.pad_to_multiple_of, pad_id=self.pad_id)
+            firsts = itertools.accumulate((len(f.members) for f in bin_), initial=0)
+            b.families = tuple((k, len(f.members), f.prefix_len) for k, f in zip(firsts, bin_, strict=False))
+            batches.append(b)
+        return batches
 
     def _dummy_batch(self, fields: Sequence[str]) -> PackedBatch:
         """A 2-token batch with loss mask 0: keeps DDP's collective calls matched on an idle rank."""
@@ -295,7 +328,8 @@ class TorchTrainer:
         ids = [s.input_ids for s in samples]
         base = _base_fields(samples)
         mine = shard(len(samples), self.world)
-        aux_batches = self._pack(ids, base, mine)
+        group_of = [g for g, members in enumerate(nested) for _ in members]
+        aux_batches = self._pack(ids, base, mine, group_of)
         metrics: dict[str, float] = {}
 
         ref: dict[int, torch.Tensor] = {}
@@ -353,7 +387,7 @@ class TorchTrainer:
         for _epoch in range(cfg.epochs):
             for part in partition:
                 local = [i for i in part if i in mine_set]
-                batches = self._pack(ids, fields, local)
+                batches = self._pack(ids, fields, local, group_of)
                 first = _epoch == 0
                 if first:
                     first_epoch_batches.extend(batches)
@@ -375,6 +409,10 @@ class TorchTrainer:
         if recorder is not None:
             recorder.write(trajectories, fields["loss_mask"], fields["advantages"])
         pack_metrics = self._padding_metrics(first_epoch_batches, ids)
+        if cfg.shared_prefix and first_epoch_batches:
+            real = sum(b.num_tokens - b.num_pad for b in first_epoch_batches)
+            run = sum(layout_cost(b.cu_seqlens.tolist(), b.families) for b in first_epoch_batches)
+            pack_metrics["pack/shared_prefix_saved"] = 1.0 - run / max(real, 1)
         metrics |= self._finish(sums, stats, updates, len(samples), pack_metrics)
         if apply:
             self.scheduler.step()

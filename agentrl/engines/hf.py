@@ -12,6 +12,20 @@ Own scheduler rather than transformers' `generate_batch`: it gives per-token
 logprobs under the sampled distribution, per-token policy versions and weight
 updates between decode steps, and it is faster here (benchmarks/hf_engine.py).
 
+Prefix caching (`prefix_cache_tokens`, see `prefix_cache`): a retiring row
+leaves the KV of its prompt + generated tokens in an LRU store, and every
+admitted prompt leaves its prompt KV there too. An admitted prompt copies the
+KV of its longest cached prefix and prefills only the rest (at least its last
+token, whose logits are needed). Requests admitted together with different hit
+lengths are prefilled in one call: past KV left-padded to a common width,
+suffixes left-padded to another, explicit position ids and a 2D mask with
+holes; the result is packed back to plain left padding before it joins the
+running batch. Requests that share a longer prefix with an earlier request of
+the same admission than with the store (a GRPO group: identical prompts) wait
+for a second prefill that reuses that request's fresh KV. Every weight copy
+clears the store and bumps a weights epoch; rows whose KV spans a copy
+(`continue_new`) are not stored.
+
 Weight updates copy tensors in place under the step lock (between decode
 steps) and bump `policy_version`. `update_mode="continue_new"` lets running
 requests continue on the new weights (their later tokens carry the new
@@ -36,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentrl.engines.base import EngineHealth, Sampling, WeightSource
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
+from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
 from agentrl.types import Completion, FinishReason
 
 
@@ -60,6 +75,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     text_len: int = 0
     cancelled: bool = False
+    epoch: int = -1  # weights epoch at admission: its KV is cacheable only while that epoch lasts
 
 
 @dataclass
@@ -89,6 +105,9 @@ class HFEngine:
         request_timeout_s: float = Field(default=600.0, gt=0)
         update_timeout_s: float = Field(default=600.0, gt=0)
         seed: int = 0
+        prefix_cache_tokens: int = Field(
+            default=32768, ge=0, description="tokens of KV kept for prefix reuse across requests; 0 disables"
+        )
 
     def __init__(self, config: HFEngine.Config | None = None, *, model: Any = None, tokenizer: Any = None) -> None:
         self.config = cfg = config if config is not None else self.Config()
@@ -120,6 +139,12 @@ class HFEngine:
         self._busy_s = 0.0
         self.steps = 0
         self.tokens_generated = 0
+        self._weights_epoch = 0  # bumped by every weight copy; cached KV matches only its own epoch
+        self._prefix = PrefixCache(cfg.prefix_cache_tokens if _plain_kv_cache(self.model) else 0)
+        self.prefill_tokens = 0  # prompt tokens run through the model at admission
+        self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.prefix_hits = 0  # admitted requests with a cache hit
+        self.admitted = 0
 
     @classmethod
     def from_config(cls, config: HFEngine.Config | dict[str, Any], *, tokenizer: Any = None) -> HFEngine:
@@ -197,6 +222,7 @@ class HFEngine:
             self._busy_s += time.monotonic() - started
             with self._cv:
                 self._running = len(batch.rows) if batch else 0
+        self._prefix.clear()
         leftover = [*(batch.rows if batch else []), *self._waiting]
         self._waiting.clear()
         for req in leftover:
@@ -208,37 +234,114 @@ class HFEngine:
         return contextlib.nullcontext()
 
     def _admit(self, batch: _Batch | None, new: list[_Request]) -> _Batch | None:
-        """Prefill the new prompts together and merge them into the running batch."""
-        width = max(len(r.prompt) for r in new)
+        """Prefill the new prompts (reusing cached prefixes) and merge them into the running batch."""
+        for r in new:
+            r.epoch = self._weights_epoch
+        first, later = self._split(new)
+        fresh = self._prefill(first)
+        if later:  # their prefixes are in the store now, left there by `first`
+            fresh = _merge(fresh, self._prefill(later))
+        merged = fresh if batch is None else _merge(batch, fresh)
+        return self._retire(merged)
+
+    def _split(self, new: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+        """Defer requests that share a longer prefix with an earlier new request than with the store."""
+        if not self._prefix.enabled or len(new) < 2:
+            return new, []
+        first: list[tuple[_Request, torch.Tensor]] = []
+        later: list[_Request] = []
+        for r in new:
+            ids = torch.tensor(r.prompt, dtype=torch.long)
+            limit = len(r.prompt) - 1
+            _, hit = self._prefix.lookup(ids, self._weights_epoch, limit)
+            shared = max((common_prefix(ids, other) for _, other in first), default=0)
+            if min(shared, limit) >= hit + _MIN_SHARED_GAIN:
+                later.append(r)
+            else:
+                first.append((r, ids))
+        return [r for r, _ in first], later
+
+    def _prefill(self, reqs: list[_Request]) -> _Batch:
+        """One forward pass over the uncached rest of each prompt; samples each row's first token.
+
+        Row i of the call: [pad | cached KV of n_i tokens] as past (width P = max n_i),
+        then [pad | prompt[n_i:]] as input (width S); the mask has a hole between the
+        two parts where n_i < P and the suffix is shorter than S. `_pack` closes it.
+        """
         dev = self.model.device
-        ids = torch.full((len(new), width), self._pad_id, dtype=torch.long)
-        attn = torch.zeros((len(new), width), dtype=torch.long)
-        for i, r in enumerate(new):
-            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
-            attn[i, width - len(r.prompt) :] = 1
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        hits: list[tuple[PrefixEntry | None, int]] = [
+            self._prefix.lookup(torch.tensor(r.prompt, dtype=torch.long), r.epoch, len(r.prompt) - 1)
+            if self._prefix.enabled
+            else (None, 0)
+            for r in reqs
+        ]
+        past = max(n for _, n in hits)
+        width = max(len(r.prompt) - n for r, (_, n) in zip(reqs, hits, strict=True))
+        ids = torch.full((len(reqs), width), self._pad_id, dtype=torch.long)
+        attn = torch.zeros((len(reqs), past + width), dtype=torch.long)
+        positions = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, (r, (_, n)) in enumerate(zip(reqs, hits, strict=True)):
+            rest = len(r.prompt) - n
+            ids[i, width - rest :] = torch.tensor(r.prompt[n:])
+            attn[i, past - n : past] = 1
+            attn[i, past + width - rest :] = 1
+            positions[i, width - rest :] = torch.arange(n, len(r.prompt))
         out = self.model(
             input_ids=ids.to(dev),
             attention_mask=attn.to(dev),
             position_ids=positions.to(dev),
+            past_key_values=self._past_cache(hits, past) if past else None,
             use_cache=True,
             logits_to_keep=1,
         )
         cache = out.past_key_values
-        keep = attn.to(dev)[:, None, :, None]
-        for layer in cache.layers:  # padded slots may hold garbage; zero them
-            layer.keys.mul_(keep.to(layer.keys.dtype))
-            layer.values.mul_(keep.to(layer.values.dtype))
+        self.admitted += len(reqs)
+        self.prefix_hits += sum(1 for _, n in hits if n)
+        self.prefix_hit_tokens += sum(n for _, n in hits)
+        self.prefill_tokens += sum(len(r.prompt) for r in reqs) - sum(n for _, n in hits)
         fresh = _Batch(
-            rows=new,
+            rows=reqs,
             cache=cache,
-            attn=attn,
-            pos=attn.sum(-1),
-            next_ids=torch.zeros(len(new), dtype=torch.long),
+            attn=_pack(cache, attn),
+            pos=torch.tensor([len(r.prompt) for r in reqs], dtype=torch.long),
+            next_ids=torch.zeros(len(reqs), dtype=torch.long),
         )
+        if self._prefix.enabled:
+            for i, r in enumerate(reqs):
+                self._remember(fresh, i, r.prompt, r.epoch)
         self._sample_into(fresh, out.logits[:, -1, :])
-        merged = fresh if batch is None else _merge(batch, fresh)
-        return self._retire(merged)
+        return fresh
+
+    def _past_cache(self, hits: list[tuple[PrefixEntry | None, int]], past: int) -> Any:
+        """A DynamicCache holding each row's cached prefix KV, left-padded with zeros to `past`."""
+        from transformers import DynamicCache
+
+        some = next(e for e, n in hits if e is not None and n)
+        data = []
+        for layer in range(len(some.keys)):
+            heads, _, dim = some.keys[layer].shape
+            keys = some.keys[layer].new_zeros((len(hits), heads, past, dim))
+            values = some.values[layer].new_zeros((len(hits), heads, past, dim))
+            for i, (entry, n) in enumerate(hits):
+                if entry is not None and n:
+                    keys[i, :, past - n :] = entry.keys[layer][:, :n]
+                    values[i, :, past - n :] = entry.values[layer][:, :n]
+            data.append((keys, values))
+        return DynamicCache(ddp_cache_data=data, config=self.model.config)
+
+    def _remember(self, batch: _Batch, i: int, tokens: list[int], epoch: int) -> None:
+        """Offer row i's KV (the last len(tokens) cache columns) to the prefix store."""
+        if epoch != self._weights_epoch or not tokens:
+            return
+        start = batch.attn.shape[1] - len(tokens)
+        layers = list(_layers(batch.cache))
+
+        def kv(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            keys = [layer.keys[i, :, start : start + n].clone() for layer in layers]
+            values = [layer.values[i, :, start : start + n].clone() for layer in layers]
+            return keys, values
+
+        self._prefix.insert(tokens, kv, version=self.policy_version, epoch=epoch)
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         """One decode step for every running row."""
@@ -268,8 +371,13 @@ class HFEngine:
         self.tokens_generated += len(ids)
 
     def _retire(self, batch: _Batch) -> _Batch | None:
-        """Resolve finished or cancelled rows and drop them from the batch."""
+        """Resolve finished or cancelled rows and drop them from the batch.
+
+        Futures resolve only after the batch and the in-flight count no longer hold
+        the rows, so a caller that sees its result also sees a consistent `health()`.
+        """
         keep: list[int] = []
+        done: list[tuple[_Request, Completion]] = []
         for i, req in enumerate(batch.rows):
             reason = None if req.cancelled else self._finish_reason(req)
             if req.cancelled:
@@ -277,15 +385,18 @@ class HFEngine:
             if reason is None:
                 keep.append(i)
             else:
+                if self._prefix.enabled:  # the last sampled id is not in the cache yet
+                    self._remember(batch, i, req.prompt + req.ids[:-1], req.epoch)
                 text = self.tokenizer.decode(req.ids)
-                self._resolve(
-                    req, Completion(req.prompt, req.ids, req.logprobs, req.versions, reason, text=text)
-                )
+                done.append((req, Completion(req.prompt, req.ids, req.logprobs, req.versions, reason, text=text)))
         if len(keep) == len(batch.rows):
             return batch
-        if not keep:
-            return None
-        return _select(batch, keep)
+        kept = _select(batch, keep) if keep else None
+        with self._cv:
+            self._running = max(0, self._running - (len(batch.rows) - len(keep)))
+        for req, completion in done:
+            self._resolve(req, completion)
+        return kept
 
     def _finish_reason(self, req: _Request) -> FinishReason | None:
         if req.ids[-1] in req.stop_ids:
@@ -346,6 +457,9 @@ class HFEngine:
 
     def _copy_locked(self, params: dict[str, Any], weights: WeightSource, version: int) -> None:
         with self._step_lock, torch.no_grad():
+            # before the first tensor lands (a failed copy still leaves changed weights)
+            self._weights_epoch += 1
+            self._prefix.clear()
             for bucket in weights.buckets():
                 for name, tensor in bucket:
                     target = params.get(name)
@@ -377,7 +491,18 @@ class HFEngine:
             policy_version=self.policy_version,
             in_flight=self._running + len(self._waiting),
             busy_fraction=self.busy_fraction(),
-            detail={"steps": self.steps, "tokens": self.tokens_generated, "paused": self._paused},
+            detail={
+                "steps": self.steps,
+                "tokens": self.tokens_generated,
+                "paused": self._paused,
+                "admitted": self.admitted,
+                "prefill_tokens": self.prefill_tokens,
+                "prefix_cache_hit_tokens": self.prefix_hit_tokens,
+                "prefix_cache_hits": self.prefix_hits,
+                "prefix_cache_tokens": self._prefix.tokens,
+                "prefix_cache_entries": len(self._prefix),
+                "prefix_cache_evictions": self._prefix.evictions,
+            },
         )
 
     async def close(self) -> None:
@@ -399,8 +524,51 @@ class HFEngine:
         await self.close()
 
 
+_MIN_SHARED_GAIN = 16  # tokens an in-admission shared prefix must add over the store to defer a request
+
+
 def _layers(cache: Any) -> Iterator[Any]:
     yield from cache.layers
+
+
+def _plain_kv_cache(model: Any) -> bool:
+    """Whether the model's cache is full per-layer KV (prefix caching needs every column kept)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # an exotic config: no prefix caching rather than a broken engine
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _pack(cache: Any, attn: torch.Tensor) -> torch.Tensor:
+    """Move each row's real cache columns to the right end and zero the padding; return the new mask.
+
+    After a prefill the batch is plain left padding again (what `_merge`, `_select`
+    and `_remember` expect). Padded slots may hold garbage (even NaN): they are zeroed.
+    """
+    real = attn.bool()
+    counts = real.sum(1)
+    width = int(counts.max())
+    packed = torch.arange(width).unsqueeze(0) >= (width - counts).unsqueeze(1)
+    index = None
+    if width != attn.shape[1] or not bool((real == packed).all()):
+        index = torch.zeros(packed.shape, dtype=torch.long)
+        for i in range(attn.shape[0]):
+            cols = real[i].nonzero().squeeze(1)
+            index[i, width - cols.shape[0] :] = cols
+    for layer in _layers(cache):
+        dev = layer.keys.device
+        if index is not None:
+            at = index.to(dev)[:, None, :, None]
+            layer.keys = layer.keys.gather(2, at.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, at.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        pad = ~packed.to(dev)[:, None, :, None]
+        layer.keys.masked_fill_(pad, 0)
+        layer.values.masked_fill_(pad, 0)
+    return packed.long()
 
 
 def _merge(old: _Batch, new: _Batch) -> _Batch:

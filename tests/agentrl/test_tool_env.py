@@ -175,3 +175,25 @@ def test_config_validation_and_parser_choice() -> None:
     env = AddEnv(ToolEnvConfig(tool_parser="llama3_json"))
     msg = env.parse_action('{"name": "add", "parameters": {"a": 1, "b": 2}}')
     assert msg.tool_calls[0].arguments == {"a": 1, "b": 2}
+
+
+async def test_tools_in_prompt_false_keeps_schemas_out_of_the_prompt_but_runs_calls() -> None:
+    from agentrl.chat import SimpleChatTokenizer
+    from agentrl.engines.scripted import ScriptedEngine
+    from agentrl.rollout import run_episode
+    from agentrl.rollout_config import RolloutConfig
+
+    assert [s["function"]["name"] for s in AddEnv().prompt_tools() or []] == ["add", "wait", "explode"]
+    hidden = AddEnv(ToolEnvConfig(tools_in_prompt=False))
+    assert hidden.prompt_tools() is None and len(hidden.tool_schemas()) == 3
+
+    tokenizer = SimpleChatTokenizer()
+    replies = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "Answer: 5"]
+    engine = ScriptedEngine(ScriptedEngine.Config(replies=replies), tokenizer=tokenizer)
+    task = next(iter(hidden.tasks()))
+    shown = await run_episode(AddEnv(), task, engine, tokenizer, RolloutConfig(max_turns=3))
+    bare = await run_episode(hidden, task, engine, tokenizer, RolloutConfig(max_turns=3))
+    await engine.close()
+    assert '"explode"' in tokenizer.decode(shown.token_ids)
+    assert '"explode"' not in tokenizer.decode(bare.token_ids)
+    assert bare.reward == shown.reward == 1.0  # the call still ran: the tool is known, just not described

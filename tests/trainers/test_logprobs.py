@@ -45,3 +45,35 @@ def test_no_grad_path_and_without_entropy() -> None:
         ref = token_logprobs_from_logits(head(hidden), targets)
     assert ent is None
     torch.testing.assert_close(lp, ref)
+
+
+def test_scoring_only_needed_positions_matches_the_full_row(tiny_llama_path: str) -> None:
+    """Loss-token-only scoring: same logprobs/entropy there, zeros elsewhere, same gradients."""
+    from agentrl.trainers.logprobs import packed_logprobs
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, torch_dtype=torch.float64)
+    ids = torch.randint(5, 1000, (1, 23))
+    positions = torch.tensor([list(range(11)) + list(range(12))])  # two packed sequences
+    needed = torch.zeros(23, dtype=torch.bool)
+    needed[[4, 5, 9, 15, 16, 22]] = True
+    weights = torch.rand(23, dtype=torch.float64) * needed
+
+    def run(mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        lp, ent = packed_logprobs(model, ids, positions, chunk_tokens=4, with_entropy=True, needed=mask)
+        assert ent is not None
+        ((lp * weights).sum() + (ent * weights).sum()).backward()
+        return lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    full_lp, full_ent, full_grads = run(None)
+    lp, ent, grads = run(needed)
+    torch.testing.assert_close(lp[needed], full_lp[needed])
+    torch.testing.assert_close(ent[needed], full_ent[needed])
+    assert lp[~needed].abs().sum() == 0 and ent[~needed].abs().sum() == 0
+    assert len(grads) == len(full_grads)
+    for g, ref in zip(grads, full_grads, strict=True):
+        torch.testing.assert_close(g, ref)
+    nothing, _ = packed_logprobs(model, ids, positions, needed=torch.zeros(23, dtype=torch.bool))
+    assert nothing.requires_grad  # still a graph through the lm_head, for DDP

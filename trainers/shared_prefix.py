@@ -1,0 +1,156 @@
+"""Shared-prompt forward for GRPO groups: the prompt runs once per group, not once per sample.
+
+All samples of a group start with the same prompt (system prompt, few-shot
+demonstrations, the task), which is most of their tokens. Here the longest
+loss-free prefix common to a group ("family") is run through the decoder once;
+its KV cache is broadcast to the members, whose suffixes run as one padded batch
+attending to it. Gradients flow back through the shared KV into the prefix pass,
+so logprobs and gradients equal the per-sample computation exactly (up to float
+rounding); only the redundant prefix work is gone.
+
+Families live inside ordinary `PackedBatch`es (members stored contiguously, the
+usual per-token fields), so losses, masks and token stats need no change; only
+the hidden states are produced differently (`shared_prefix_hidden`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SHARED_PREFIX_KWARG = "agentrl_shared_prefix_len"
+"""Model-forward kwarg read by `packing.packed_sdpa_attention`: the length of the cached prefix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """Samples (caller's indices) that start with the same `prefix_len` loss-free tokens."""
+
+    members: tuple[int, ...]
+    prefix_len: int
+
+
+def common_prefix_len(seqs: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]]) -> int:
+    """Longest prefix shared by all `seqs` that holds no loss token and leaves each a suffix token."""
+    limit = min(len(s) for s in seqs) - 1
+    for mask in loss_masks:
+        first_loss = next((t for t, m in enumerate(mask) if m), len(mask))
+        limit = min(limit, first_loss)
+    first = seqs[0]
+    n = 0
+    while n < limit and all(s[n] == first[n] for s in seqs[1:]):
+        n += 1
+    return max(n, 0)
+
+
+def find_families(
+    groups: Sequence[Sequence[int]],
+    input_ids: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    *,
+    min_prefix: int = 16,
+) -> list[Family]:
+    """One family per group of sample indices; a group whose shared prefix is short splits into singles."""
+    out: list[Family] = []
+    for members in groups:
+        if not members:
+            continue
+        if min(len(input_ids[i]) for i in members) < 2:
+            raise ValueError("shared prefix: every sequence needs at least 2 tokens")
+        p = common_prefix_len([input_ids[i] for i in members], [loss_masks[i] for i in members])
+        if len(members) > 1 and p >= min_prefix:
+            out.append(Family(tuple(members), p))
+        else:  # alone: split at its own first loss token, which costs the same as one full pass
+            for i in members:
+                out.append(Family((i,), max(1, common_prefix_len([input_ids[i]], [loss_masks[i]]))))
+    return out
+
+
+def family_cost(family: Family, lengths: Sequence[int]) -> int:
+    """Tokens the decoder processes for a family: the prefix once, plus the padded suffix batch."""
+    longest = max(lengths[i] for i in family.members) - family.prefix_len
+    return family.prefix_len + len(family.members) * longest
+
+
+def layout_cost(cu_seqlens: Sequence[int], layout: Sequence[tuple[int, int, int]]) -> int:
+    """`family_cost` summed over a packed row's families (padding of the suffix batch included)."""
+    total = 0
+    for first, count, p in layout:
+        longest = max(cu_seqlens[k + 1] - cu_seqlens[k] for k in range(first, first + count)) - p
+        total += p + count * longest
+    return total
+
+
+def plan_families(families: Sequence[Family], lengths: Sequence[int], token_budget: int) -> list[list[Family]]:
+    """First-fit-decreasing packing of whole families into micro-batches of <= token_budget cost."""
+    order = sorted(families, key=lambda f: (-family_cost(f, lengths), f.members))
+    bins: list[list[Family]] = []
+    free: list[int] = []
+    for fam in order:
+        cost = family_cost(fam, lengths)
+        for b, room in enumerate(free):
+            if cost <= room:
+                bins[b].append(fam)
+                free[b] -= cost
+                break
+        else:
+            bins.append([fam])
+            free.append(max(token_budget - cost, 0))
+    return bins
+
+
+def shared_prefix_hidden(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    layout: Sequence[tuple[int, int, int]],
+) -> torch.Tensor:
+    """Last hidden states [1, T, H] of a packed row whose families are given by `layout`.
+
+    `layout` holds (first sequence index in the row, member count, prefix length) per
+    family. Rows a loss token can read (the last prefix position of each member and its
+    suffix) are filled; the other prefix rows stay zero (no loss token reads them).
+    """
+    ids = input_ids[0]
+    bounds = cu_seqlens.tolist()
+    dest: list[torch.Tensor] = []
+    rows: list[torch.Tensor] = []
+    for first, count, p in layout:
+        starts = bounds[first : first + count]
+        ends = bounds[first + 1 : first + count + 1]
+        prefix = ids[starts[0] : starts[0] + p]
+        pre = decoder(
+            input_ids=prefix[None],
+            position_ids=torch.arange(p, device=ids.device)[None],
+            use_cache=True,
+        )
+        cache = pre.past_key_values
+        for layer in cache.layers:  # one prefix, `count` readers: a view, no copy
+            layer.keys = layer.keys.expand(count, -1, -1, -1)
+            layer.values = layer.values.expand(count, -1, -1, -1)
+        suffix_lens = [e - s - p for s, e in zip(starts, ends, strict=True)]
+        width = max(suffix_lens)
+        suffix = ids.new_zeros(count, width)  # right-padded; causality keeps real tokens off the padding
+        for k, (s, n) in enumerate(zip(starts, suffix_lens, strict=True)):
+            suffix[k, :n] = ids[s + p : s + p + n]
+        positions = torch.arange(p, p + width, device=ids.device).expand(count, -1)
+        out = decoder(
+            input_ids=suffix,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **{SHARED_PREFIX_KWARG: p},
+        )
+        # member k's rows: the prefix's last position, then its real suffix positions
+        last = pre.last_hidden_state[:, p - 1 : p].expand(count, -1, -1)
+        both = torch.cat([last, out.last_hidden_state], dim=1).reshape(count * (width + 1), -1)
+        src = [torch.arange(k * (width + 1), k * (width + 1) + n + 1) for k, n in enumerate(suffix_lens)]
+        rows.append(both.index_select(0, torch.cat(src).to(ids.device)))
+        dest.extend(torch.arange(s + p - 1, s + p + n, device=ids.device) for s, n in zip(starts, suffix_lens, strict=True))
+    hidden_size = rows[0].shape[-1]
+    full = rows[0].new_zeros(ids.shape[0], hidden_size)
+    full = full.index_copy(0, torch.cat(dest), torch.cat(rows))
+    return full[None]
