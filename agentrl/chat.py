@@ -21,10 +21,12 @@ inserted with mask 0 (see `closing_remainder`).
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import json
-import re
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -141,7 +143,7 @@ class SimpleChatTokenizer:
     SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
     CACHE_ENTRIES = 4096
     CACHE_TEXT_CHARS = 512
-    _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
+    _UTF16 = staticmethod(codecs.getencoder("utf-16-le" if sys.byteorder == "little" else "utf-16-be"))
 
     def __init__(self) -> None:
         self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIAL_TOKENS)}
@@ -150,8 +152,21 @@ class SimpleChatTokenizer:
         self.im_end_id = self.special_ids["<|im_end|>"]
         self.eos_ids: tuple[int, ...] = (self.im_end_id, self.special_ids["<|endoftext|>"])
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
-        self.boundary_cache: dict[str, tuple[str, list[int]]] = {}  # used by Conversation
+        self.boundary_cache: dict[str, Any] = {}  # used by Conversation
         self._cache: dict[str, list[int]] = {}
+        # encode() swaps each special token for a byte that valid UTF-8 never contains (0xF8 + i),
+        # then for the char 256 + i: the UTF-16 code units of the result are the ids. Each special
+        # token holds "<|" only at its start and none is a prefix of another, so their occurrences
+        # never overlap and replacing them one kind after another finds the left-to-right split.
+        specials = self.SPECIAL_TOKENS
+        if len(specials) > 8 or any(
+            not s.startswith("<|") or "<|" in s[1:] or any(o != s and o.startswith(s) for o in specials)
+            for s in specials
+        ):
+            raise ValueError(f"SimpleChatTokenizer: unsupported special tokens {specials!r}")
+        self._marks = tuple(
+            (s.encode("utf-8"), bytes([0xF8 + i]), chr(0xF8 + i), chr(256 + i)) for i, s in enumerate(specials)
+        )
 
     def render(
         self,
@@ -162,7 +177,10 @@ class SimpleChatTokenizer:
     ) -> str:
         if tools:
             messages = with_tools_system_prompt(messages, tools)
-        parts = [f"<|im_start|>{m.role}\n{hermes_content(m)}<|im_end|>\n" for m in messages]
+        parts = [
+            f"<|im_start|>{m.role}\n{hermes_content(m) if m.tool_calls else m.content}<|im_end|>\n"
+            for m in messages
+        ]
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
@@ -173,12 +191,13 @@ class SimpleChatTokenizer:
         cached = self._cache.get(text)
         if cached is not None:  # chat deltas repeat: headers, generation prompts
             return cached.copy()
-        pieces = self._SPLIT.split(text)  # text, special, text, special, ..., text
-        out = list(pieces[0].encode("utf-8"))
-        special_ids = self.special_ids
-        for i in range(1, len(pieces), 2):
-            out.append(special_ids[pieces[i]])
-            out += pieces[i + 1].encode("utf-8")
+        marked = text.encode("utf-8")
+        for special, mark, _, _ in self._marks:
+            marked = marked.replace(special, mark)
+        chars = marked.decode("latin-1")  # one char per byte, marks included
+        for _, _, mark_char, id_char in self._marks:
+            chars = chars.replace(mark_char, id_char)
+        out = array("H", self._UTF16(chars)[0]).tolist()
         if len(text) <= self.CACHE_TEXT_CHARS:
             if len(self._cache) >= self.CACHE_ENTRIES:
                 self._cache.clear()
@@ -234,7 +253,7 @@ class HFChatTokenizer:
             ("tools" in str(template)) if tools_in_template is None else tools_in_template
         )
         self.calls_in_template = "tool_calls" in str(template)
-        self.boundary_cache: dict[str, tuple[str, list[int]]] = {}  # used by Conversation
+        self.boundary_cache: dict[str, Any] = {}  # used by Conversation
         self.eos_ids: tuple[int, ...] = tuple(eos_ids) if eos_ids is not None else self._find_eos_ids()
 
     @classmethod
@@ -416,6 +435,30 @@ class Budgets:
         )
 
 
+class _TemplateFacts:
+    """What conversations need to know about one (tokenizer, tools) template, worked out once.
+
+    `prefix` is the rendered dummy conversation that deltas are taken against
+    and `closing` the ids that close a model turn. `remainders` and `deltas`
+    memoise, for this template, `closing_remainder` (keyed by the last ids of
+    a turn) and the ids of an env-message delta (keyed by the messages'
+    fields): both are pure functions of their keys, and turn endings and env
+    replies repeat across turns and episodes. The memos are bounded.
+    """
+
+    __slots__ = ("closing", "deltas", "prefix", "remainders")
+
+    MAX_ENTRIES = 4096
+    MAX_TEXT_CHARS = 512  # longer messages (tool outputs) are rarely repeated: not memoised
+
+    def __init__(self, prefix: str, closing: list[int]) -> None:
+        self.prefix = prefix
+        self.closing = closing
+        self.remainders: dict[tuple[int, ...], list[int]] = {}
+        # keys: (role, content, tool_call_id, name) for one message, a tuple of those for several
+        self.deltas: dict[tuple[Any, ...], list[int]] = {}
+
+
 class Conversation:
     """The token ids of one episode, with loss mask, behaviour logprobs and versions.
 
@@ -444,9 +487,10 @@ class Conversation:
         self.logprobs: list[float] = [0.0] * len(ids)
         self.versions: list[int] = [-1] * len(ids)
         self.turns: list[Turn] = []
+        self.num_sampled = 0  # tokens with mask 1 (sum of loss_mask)
         self._awaiting_generation = True
-        self._pending_close: list[int] = []  # closing ids owed after the last model turn
-        self._boundary: tuple[str, list[int]] | None = None  # (dummy prefix text, closing ids)
+        self._pending_close: list[int] = []  # closing ids owed after the last model turn (never mutated)
+        self._facts: _TemplateFacts | None = None
 
     # -- reading
 
@@ -469,9 +513,11 @@ class Conversation:
 
     def max_new_tokens(self) -> int:
         """Token limit for the next turn: min(per-turn, total left); <= 0 means no turn is allowed."""
-        if len(self.turns) >= self.budgets.max_turns:
+        b = self.budgets
+        if len(self.turns) >= b.max_turns:
             return 0
-        return min(self.budgets.max_new_tokens_per_turn, self.budgets.max_total_tokens - len(self.token_ids))
+        left = b.max_total_tokens - len(self.token_ids)
+        return left if left < b.max_new_tokens_per_turn else b.max_new_tokens_per_turn
 
     # -- writing
 
@@ -479,22 +525,27 @@ class Conversation:
         """Append the sampled ids verbatim (mask 1, the engine's logprobs and versions)."""
         if not self._awaiting_generation:
             raise RuntimeError("add_completion: the conversation does not end with a generation prompt")
+        ids = completion.ids
+        n = len(ids)
         start = len(self.token_ids)
-        self.token_ids.extend(completion.ids)
-        self.loss_mask.extend([1] * len(completion.ids))
-        self.logprobs.extend(completion.logprobs)
-        self.versions.extend(completion.versions)
-        self.turns.append(
-            Turn(
-                start=start,
-                end=len(self.token_ids),
-                tool_calls=[c.name for c in message.tool_calls],
-                info={"finish_reason": completion.finish_reason},
-            )
-        )
+        self.token_ids += ids
+        self.loss_mask += [1] * n
+        self.logprobs += completion.logprobs
+        self.versions += completion.versions
+        self.num_sampled += n
+        calls = [c.name for c in message.tool_calls] if message.tool_calls else []
+        self.turns.append(Turn(start, start + n, 0.0, calls, {"finish_reason": completion.finish_reason}))
         self.messages.append(message)
-        _, closing = self._boundary_info()
-        self._pending_close = closing_remainder(completion.ids, closing, self.tokenizer.eos_ids)
+        facts = self._facts or self._template_facts()
+        closing = facts.closing
+        tail = tuple(ids[-len(closing) :]) if closing else ()
+        owed = facts.remainders.get(tail)
+        if owed is None:
+            owed = closing_remainder(ids, closing, self.tokenizer.eos_ids)
+            if len(facts.remainders) >= facts.MAX_ENTRIES:
+                facts.remainders.clear()
+            facts.remainders[tail] = owed
+        self._pending_close = owed
         self._awaiting_generation = False
 
     def add_messages(self, messages: Sequence[Message]) -> bool:
@@ -507,8 +558,47 @@ class Conversation:
             raise RuntimeError(
                 "add_messages: a model turn is due first (the conversation ends with a prompt)"
             )
-        new = [self._fit_tool_output(m) for m in messages]
-        prefix, _ = self._boundary_info()
+        new = list(messages)
+        for i, m in enumerate(new):  # a plain loop: no comprehension frame on this hot path
+            if m.role == "tool":
+                new[i] = self._fit_tool_output(m)
+        facts = self._facts or self._template_facts()
+        key: tuple[Any, ...] | None
+        if not _MEMO_KEYS_COMPLETE:
+            key = None
+        elif len(new) == 1:  # the common case, keyed without a nested tuple
+            m = new[0]
+            key = (
+                None
+                if m.tool_calls or len(m.content) > facts.MAX_TEXT_CHARS
+                else (m.role, m.content, m.tool_call_id, m.name)
+            )
+        else:
+            key = _delta_key(new)
+        encoded = facts.deltas.get(key) if key is not None else None
+        if encoded is None:
+            encoded = self._delta_ids(new, facts.prefix)
+            if key is not None:
+                if len(facts.deltas) >= facts.MAX_ENTRIES:
+                    facts.deltas.clear()
+                facts.deltas[key] = encoded
+        pending = self._pending_close
+        n = len(pending) + len(encoded)
+        if len(self.token_ids) + n > self.budgets.max_total_tokens:
+            return False
+        if pending:
+            self.token_ids += pending
+        self.token_ids += encoded
+        self.loss_mask += [0] * n
+        self.logprobs += [0.0] * n
+        self.versions += [-1] * n
+        self.messages += new
+        self._pending_close = []
+        self._awaiting_generation = True
+        return True
+
+    def _delta_ids(self, new: list[Message], prefix: str) -> list[int]:
+        """The ids the template adds after the dummy prefix for `new` (and the next generation prompt)."""
         full = self.tokenizer.render([*_DUMMY_PREFIX, *new], tools=self.tools, add_generation_prompt=True)
         if not full.startswith(prefix):
             raise ValueError(
@@ -516,17 +606,7 @@ class Conversation:
                 "the delta of these messages cannot be taken: "
                 f"{[m.role for m in new]}"
             )
-        delta = self._pending_close + self.tokenizer.encode(full[len(prefix) :])
-        if len(self.token_ids) + len(delta) > self.budgets.max_total_tokens:
-            return False
-        self.token_ids.extend(delta)
-        self.loss_mask.extend([0] * len(delta))
-        self.logprobs.extend([0.0] * len(delta))
-        self.versions.extend([-1] * len(delta))
-        self.messages.extend(new)
-        self._pending_close = []
-        self._awaiting_generation = True
-        return True
+        return self.tokenizer.encode(full[len(prefix) :])
 
     def _fit_tool_output(self, message: Message) -> Message:
         if message.role != "tool":
@@ -539,22 +619,24 @@ class Conversation:
 
     def _boundary_info(self) -> tuple[str, list[int]]:
         """(text of the dummy prefix, ids of the turn-closing text), cached per tokenizer and tools."""
-        if self._boundary is None:
-            cache: dict[str, tuple[str, list[int]]] | None = getattr(self.tokenizer, "boundary_cache", None)
-            key = json.dumps(self.tools, sort_keys=True) if self.tools else ""
-            found = cache.get(key) if cache is not None else None
-            if found is None:
-                prefix = self.tokenizer.render(_dummy_prefix(), tools=self.tools)
-                at = prefix.rfind(_MARKER)
-                if at < 0:
-                    raise ValueError(
-                        "the chat template drops assistant content; cannot find where a turn ends"
-                    )
-                found = (prefix, self.tokenizer.encode(prefix[at + len(_MARKER) :]))
-                if cache is not None:
-                    cache[key] = found
-            self._boundary = found
-        return self._boundary
+        facts = self._facts or self._template_facts()
+        return facts.prefix, facts.closing
+
+    def _template_facts(self) -> _TemplateFacts:
+        """This template's `_TemplateFacts`, shared through the tokenizer's `boundary_cache` if it has one."""
+        cache: dict[str, Any] | None = getattr(self.tokenizer, "boundary_cache", None)
+        key = json.dumps(self.tools, sort_keys=True) if self.tools else ""
+        found = cache.get(key) if cache is not None else None
+        if not isinstance(found, _TemplateFacts):
+            prefix = self.tokenizer.render(_dummy_prefix(), tools=self.tools)
+            at = prefix.rfind(_MARKER)
+            if at < 0:
+                raise ValueError("the chat template drops assistant content; cannot find where a turn ends")
+            found = _TemplateFacts(prefix, self.tokenizer.encode(prefix[at + len(_MARKER) :]))
+            if cache is not None:
+                cache[key] = found
+        self._facts = found
+        return found
 
     # -- metrics and export
 
@@ -594,3 +676,19 @@ class Conversation:
             metrics=metrics,
             **fields,
         )
+
+
+# The memo keys below hold every Message field but `tool_calls` (messages with calls are not memoised).
+_MEMO_KEYS_COMPLETE = tuple(f.name for f in dataclasses.fields(Message)) == (
+    "role", "content", "tool_calls", "tool_call_id", "name"
+)
+
+
+def _delta_key(messages: Sequence[Message]) -> tuple[tuple[str, str, str | None, str | None], ...] | None:
+    """The memo key of an env-message delta: every field the template sees; None when not memoised."""
+    key = []
+    for m in messages:
+        if m.tool_calls or len(m.content) > _TemplateFacts.MAX_TEXT_CHARS:
+            return None
+        key.append((m.role, m.content, m.tool_call_id, m.name))
+    return tuple(key)

@@ -304,7 +304,10 @@ class RolloutManager:
         attempt = 0
         while True:
             seed = ((self._seed * 1_000_003 + position) * 1009 + index) * 31 + attempt
-            await within(self._slots.acquire(), self._stall_timeout_s)
+            if self._slots.locked():
+                await within(self._slots.acquire(), self._stall_timeout_s)
+            else:  # a free slot: acquire() returns without suspending, no deadline needed
+                await self._slots.acquire()
             try:
                 traj = await self._one(task, group_id, index, seed % (2**62))
             finally:
@@ -332,8 +335,9 @@ class RolloutManager:
                 env, task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
             )
         finally:
-            with contextlib.suppress(Exception):
-                await within(env.close(), self.config.env_timeout_s)
+            if getattr(env.close, "__func__", None) is not Env.close:  # Env.close does nothing: skip it
+                with contextlib.suppress(Exception):
+                    await within(env.close(), self.config.env_timeout_s)
 
 
 def _failed(task: Task, kind: ErrorClass, message: str, group_id: str, index: int, seed: int) -> Trajectory:

@@ -12,10 +12,13 @@ step's reward); each turn records the reward of the step that answered it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import math
 import time
 import types
 from collections.abc import Awaitable, Coroutine, Generator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from agentrl.chat import Budgets, ChatTokenizer, Conversation
 from agentrl.engines.base import InferenceEngine, Sampling
@@ -76,16 +79,6 @@ async def within(aw: Awaitable[T], timeout_s: float) -> T:
         return await _resume(aw, first)
 
 
-async def _bounded(aw: Awaitable[T], timeout_s: float, kind: ErrorClass, what: str) -> T:
-    """Await `aw` under a deadline (`within`); any failure becomes a classified `_Failed`."""
-    try:
-        return await within(aw, timeout_s)
-    except TimeoutError as e:
-        raise _Failed(classify(e, kind), f"{what} timed out after {timeout_s}s") from e
-    except Exception as e:
-        raise _Failed(classify(e, kind), f"{what} failed: {type(e).__name__}: {e}") from e
-
-
 @types.coroutine
 def _resume(coro: Coroutine[Any, Any, T], first: Any) -> Generator[Any, Any, T]:
     """Continue a coroutine whose first step already ran (what `yield from` does)."""
@@ -105,9 +98,169 @@ def _resume(coro: Coroutine[Any, Any, T], first: Any) -> Generator[Any, Any, T]:
                 return done.value  # type: ignore[no-any-return]
 
 
+class EpisodeTimeout(TimeoutError):
+    """The episode's own deadline (`episode_timeout_s`) passed during one of its awaits."""
+
+
+class Deadlines:
+    """The deadlines of one task's awaits, kept by one lazily scheduled timer.
+
+    Before each await that can block, `arm(timeout_s)` sets the deadline of
+    that await: ``now + timeout_s``, but never later than the episode deadline.
+    Arming costs a clock read and a few stores. The timer is set up only once
+    the task has yielded to the event loop (a `call_soon` look at the deadline
+    then), so an episode whose awaits never block ends without a timer; after
+    that it is rescheduled only when a new deadline is earlier than the armed
+    one. When the timer fires and the await in progress has a later deadline,
+    the timer moves there; otherwise the task is cancelled and `fail()` turns
+    that cancellation into a classified timeout, like `asyncio.timeout` does (a
+    cancellation from elsewhere still propagates). Callbacks run only while
+    the task is suspended, and every suspension of the episode is an armed
+    await, so the deadline they read is that of the await in progress.
+    `close()` cancels what is scheduled when the episode is over.
+    """
+
+    __slots__ = ("_armed", "_cancelling", "_handle", "_loop", "_task", "clock", "deadline", "episode_deadline", "fired")
+
+    def __init__(self, episode_timeout_s: float | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("Deadlines must be used inside an asyncio task")
+        self._loop = loop
+        self._task = task
+        # loop.time() is time.monotonic() on asyncio's own loops: call that directly (a Python call less)
+        self.clock = time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
+        self._cancelling = task.cancelling()
+        self._handle: asyncio.Handle | None = None  # the pending first look, or the timer
+        self._armed = math.inf  # when the timer fires; -inf while the first look is pending
+        self.episode_deadline = math.inf if episode_timeout_s is None else loop.time() + episode_timeout_s
+        self.deadline = math.inf
+        self.fired = False
+
+    def arm(self, timeout_s: float) -> float:
+        """Set the deadline of the next await to `timeout_s` from now (capped by the episode's); returns now."""
+        if self.fired:  # the last await swallowed our cancellation: take it back
+            self._absorb()
+        now = self.clock()
+        deadline = now + timeout_s
+        if deadline > self.episode_deadline:
+            deadline = self.episode_deadline
+        self.deadline = deadline
+        if deadline < self._armed:
+            self._schedule(deadline)
+        return now
+
+    def fail(self, exc: BaseException, kind: ErrorClass, what: str, timeout_s: float) -> NoReturn:
+        """Raise what an exception from an armed await means for the episode.
+
+        Our own cancellation becomes `EpisodeTimeout` (the episode deadline was
+        the binding one) or a `TIMEOUT` failure of `what`; other exceptions are
+        classified with default class `kind`; anything else (an outside
+        cancellation, KeyboardInterrupt) propagates unchanged.
+        """
+        if self.fired:
+            self.fired = False
+            if self._task.uncancel() <= self._cancelling and isinstance(exc, asyncio.CancelledError):
+                if self.deadline >= self.episode_deadline:
+                    raise EpisodeTimeout(what) from exc
+                raise _Failed(ErrorClass.TIMEOUT, f"{what} timed out after {timeout_s}s") from exc
+        if isinstance(exc, TimeoutError):
+            raise _Failed(classify(exc, kind), f"{what} timed out after {timeout_s}s") from exc
+        if isinstance(exc, Exception):
+            raise _Failed(classify(exc, kind), f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        raise exc
+
+    def close(self) -> None:
+        """Cancel the timer (call when the awaits are over)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._armed = math.inf
+        self.deadline = math.inf
+        if self.fired:
+            self._absorb()
+
+    def _schedule(self, when: float) -> None:
+        """Make sure a timer fires by `when` (the deadline just armed)."""
+        if self._handle is None:  # nothing yet: look once the task has yielded to the loop
+            self._armed = -math.inf  # that look reads the deadline then: no need to act before
+            self._handle = self._loop.call_soon(self._first_look)
+            return
+        self._handle.cancel()
+        self._timer_at(when)
+
+    def _first_look(self) -> None:
+        self._handle = None
+        self._timer_at(self.deadline)
+
+    def _timer_at(self, when: float) -> None:
+        self._armed = when
+        self._handle = self._loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        armed = self._armed
+        self._handle = None
+        self._armed = math.inf
+        if self.deadline > armed:  # the await in progress has a later deadline: wait for that one
+            self._timer_at(self.deadline)
+            return
+        self.fired = True
+        self._task.cancel()
+
+    def _absorb(self) -> None:
+        self.fired = False
+        self._task.uncancel()
+
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "stop_ids", "stop_strings", "seed")
+_FAST_SAMPLING = tuple(f.name for f in dataclasses.fields(Sampling)) == _SAMPLING_FIELDS and all(
+    hasattr(Sampling.__dict__.get(name), "__set__") for name in _SAMPLING_FIELDS
+)
+if _FAST_SAMPLING:  # the slots' own setters: a frozen dataclass refuses plain setattr
+    (_set_max_tokens, _set_temperature, _set_top_p, _set_top_k, _set_stop_ids, _set_stop_strings, _set_seed) = (
+        Sampling.__dict__[name].__set__ for name in _SAMPLING_FIELDS
+    )
+_new_object = object.__new__
+
+
+def with_turn(template: Sampling, max_tokens: int, seed: int | None) -> Sampling:
+    """`template` with another `max_tokens` (>= 1, checked by the caller) and `seed`.
+
+    Sampling is a frozen dataclass whose validating `__init__` costs about as
+    much as the rest of a zero-latency env step; the other fields were already
+    validated in `template`, so they are copied as they are.
+    """
+    if not _FAST_SAMPLING:  # Sampling changed shape: the plain (validating) way
+        return dataclasses.replace(template, max_tokens=max_tokens, seed=seed)
+    s = _new_object(Sampling)
+    _set_max_tokens(s, max_tokens)
+    _set_temperature(s, template.temperature)
+    _set_top_p(s, template.top_p)
+    _set_top_k(s, template.top_k)
+    _set_stop_ids(s, template.stop_ids)
+    _set_stop_strings(s, template.stop_strings)
+    _set_seed(s, seed)
+    return s
+
+
 def episode_seed(seed: int | None, turn: int) -> int | None:
     """The engine seed of one turn: reproducible per (episode seed, turn)."""
     return None if seed is None else (seed * 1_000_003 + turn) % (2**63)
+
+
+@functools.lru_cache(maxsize=64)
+def _sampling_template(
+    temperature: float, top_p: float, top_k: int, stop_ids: tuple[int, ...], stop_strings: tuple[str, ...]
+) -> Sampling:
+    """A validated Sampling for these run-wide settings; each turn derives its own (`with_turn`)."""
+    return Sampling(max_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids,
+                    stop_strings=stop_strings, seed=None)
+
+
+@functools.lru_cache(maxsize=64)
+def _budgets(max_turns: int, max_total: int, max_new: int, max_tool: int, side: str) -> Budgets:
+    return Budgets(max_turns, max_total, max_new, max_tool, side)  # type: ignore[arg-type]
 
 
 async def run_episode(
@@ -122,7 +275,9 @@ async def run_episode(
     sample_index: int = 0,
 ) -> Trajectory:
     """Run one episode of `env` on `task`; never raises for episode failures (only on cancel)."""
-    started = time.perf_counter()
+    deadlines = Deadlines(config.episode_timeout_s)
+    clock = deadlines.clock
+    started = clock()
     conv: Conversation | None = None
     opening: list[Message] = []
     reward = 0.0
@@ -133,83 +288,106 @@ async def run_episode(
     gen_s = env_s = 0.0
     sampling_cfg = config.sampling
     eos = tuple(tokenizer.eos_ids)
-    stop_strings = tuple(sampling_cfg.stop_strings)
+    env_timeout = config.env_timeout_s
+    gen_timeout = config.generate_timeout_s
+    generate = engine.generate
+    decode = tokenizer.decode
+    parse_action = env.parse_action
+    step = env.step
     try:
-        async with asyncio.timeout(config.episode_timeout_s):
-            t = time.perf_counter()
-            opening, _info = await _bounded(env.reset(task, seed=seed), config.env_timeout_s, ErrorClass.ENV, "env.reset")
-            env_s += time.perf_counter() - t
-            tools = [tool.schema() for tool in env.tools] or None
-            conv = Conversation(tokenizer, opening, tools=tools, budgets=Budgets.from_rollout_config(config))
-            turn = 0
-            sampling: Sampling | None = None
-            while True:
-                max_new = conv.max_new_tokens()
-                if max_new <= 0:
-                    truncated, reason = True, conv.exhausted() or "max_total_tokens"
-                    break
-                turn_seed = episode_seed(seed, turn)
-                if sampling is None or sampling.max_tokens != max_new or sampling.seed != turn_seed:
-                    sampling = Sampling(
-                        max_tokens=max_new,
-                        temperature=sampling_cfg.temperature,
-                        top_p=sampling_cfg.top_p,
-                        top_k=sampling_cfg.top_k,
-                        stop_ids=eos,
-                        stop_strings=stop_strings,
-                        seed=turn_seed,
-                    )
-                t = time.perf_counter()
-                completion = await _bounded(
-                    engine.generate(conv.prompt_ids, sampling), config.generate_timeout_s, ErrorClass.ENGINE,
-                    "engine.generate",
-                )
-                gen_s += time.perf_counter() - t
-                ids = completion.ids
-                text = tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids)
-                try:
-                    action = env.parse_action(text)
-                except Exception as e:
-                    raise _Failed(classify(e, ErrorClass.FORMAT), f"parse_action failed: {e}") from e
-                conv.add_completion(completion, action)
-                t = time.perf_counter()
-                result = await _bounded(env.step(action), config.env_timeout_s, ErrorClass.ENV, "env.step")
-                env_s += time.perf_counter() - t
-                last = conv.turns[-1]
-                last.reward = result.reward
-                reward += result.reward
-                if result.info:
-                    for key in ("tool_errors", "tool_timeouts"):
-                        if key in result.info:
-                            last.info[key] = result.info[key]
-                    extra = result.info.get("reward_breakdown")
-                    if isinstance(extra, dict):
-                        breakdown.update({str(k): float(v) for k, v in extra.items()})
-                turn += 1
-                if result.terminated or result.truncated:
-                    terminated, truncated = result.terminated, result.truncated
-                    reason = None if terminated else str(result.info.get("truncation_reason", "env"))
-                    break
-                if not conv.add_messages(result.messages):
-                    truncated, reason = True, "max_total_tokens"
-                    break
+        t = deadlines.arm(env_timeout)
+        try:
+            opening, _info = await env.reset(task, seed=seed)
+        except BaseException as e:
+            deadlines.fail(e, ErrorClass.ENV, "env.reset", env_timeout)
+        env_s += clock() - t
+        tools = env.prompt_tools()
+        budgets = _budgets(config.max_turns, config.max_total_tokens, config.max_new_tokens_per_turn,
+                           config.max_tool_output_tokens, config.tool_output_truncation)
+        conv = Conversation(tokenizer, opening, tools=tools, budgets=budgets)
+        turns = conv.turns
+        turn = 0
+        sampling = _sampling_template(
+            sampling_cfg.temperature, sampling_cfg.top_p, sampling_cfg.top_k, eos, tuple(sampling_cfg.stop_strings)
+        )
+        while True:
+            max_new = conv.max_new_tokens()
+            if max_new <= 0:
+                truncated, reason = True, conv.exhausted() or "max_total_tokens"
+                break
+            turn_seed = None if seed is None else (seed * 1_000_003 + turn) % (2**63)  # episode_seed()
+            if sampling.max_tokens != max_new or sampling.seed != turn_seed:
+                sampling = with_turn(sampling, max_new, turn_seed)
+            t = deadlines.arm(gen_timeout)
+            try:
+                completion = await generate(conv.token_ids, sampling)
+            except BaseException as e:
+                deadlines.fail(e, ErrorClass.ENGINE, "engine.generate", gen_timeout)
+            gen_s += clock() - t
+            ids = completion.ids
+            text = decode(ids[:-1] if ids and ids[-1] in eos else ids)
+            try:
+                action = parse_action(text)
+            except Exception as e:
+                raise _Failed(classify(e, ErrorClass.FORMAT), f"parse_action failed: {e}") from e
+            conv.add_completion(completion, action)
+            t = deadlines.arm(env_timeout)
+            try:
+                result = await step(action)
+            except BaseException as e:
+                deadlines.fail(e, ErrorClass.ENV, "env.step", env_timeout)
+            env_s += clock() - t
+            last = turns[-1]
+            last.reward = result.reward
+            reward += result.reward
+            if result.info:
+                for key in ("tool_errors", "tool_timeouts"):
+                    if key in result.info:
+                        last.info[key] = result.info[key]
+                extra = result.info.get("reward_breakdown")
+                if isinstance(extra, dict):
+                    breakdown.update({str(k): float(v) for k, v in extra.items()})
+            turn += 1
+            if result.terminated or result.truncated:
+                terminated, truncated = result.terminated, result.truncated
+                reason = None if terminated else str(result.info.get("truncation_reason", "env"))
+                break
+            if not conv.add_messages(result.messages):
+                truncated, reason = True, "max_total_tokens"
+                break
     except _Failed as e:
         error = EpisodeError(e.kind, str(e), turn=len(conv.turns) if conv else 0)
-    except TimeoutError:
+    except TimeoutError:  # EpisodeTimeout
         error = EpisodeError(
             ErrorClass.TIMEOUT, f"episode exceeded episode_timeout_s={config.episode_timeout_s}",
             turn=len(conv.turns) if conv else 0,
         )
     except Exception as e:  # a contract violation inside the loop (e.g. a template problem)
         error = EpisodeError(ErrorClass.ENV, f"{type(e).__name__}: {e}", turn=len(conv.turns) if conv else 0)
+    finally:
+        deadlines.close()
     metrics = {
         "turns": float(len(conv.turns)) if conv else 0.0,
-        "sampled_tokens": float(sum(conv.loss_mask)) if conv else 0.0,
-        "wall_s": time.perf_counter() - started,
+        "sampled_tokens": float(conv.num_sampled) if conv else 0.0,
+        "wall_s": clock() - started,
         "generate_s": gen_s,
         "env_s": env_s,
     }
-    fields: dict[str, Any] = dict(
+    if conv is None:
+        messages, token_ids, loss_mask, logprobs, versions, turns = opening, [], [], [], [], []
+    else:  # the conversation ends here: the trajectory takes its lists as they are (no copies)
+        metrics["retokenization_drift"] = conv.retokenization_drift()
+        messages, token_ids, loss_mask = conv.messages, conv.token_ids, conv.loss_mask
+        logprobs, versions, turns = conv.logprobs, conv.versions, conv.turns
+    return Trajectory(
+        task_id=str(task.get("id", "")),
+        env=env.name or type(env).__name__,
+        messages=messages,
+        token_ids=token_ids,
+        loss_mask=loss_mask,
+        logprobs=logprobs,
+        versions=versions,
+        turns=turns,
         reward=0.0 if error else reward,
         reward_breakdown=breakdown,
         terminated=terminated,
@@ -220,10 +398,5 @@ async def run_episode(
         sample_index=sample_index,
         seed=seed,
         task=dict(task),
+        metrics=metrics,
     )
-    task_id = str(task.get("id", ""))
-    env_name = env.name or type(env).__name__
-    if conv is None:
-        return Trajectory(task_id=task_id, env=env_name, messages=opening, token_ids=[], loss_mask=[],
-                          logprobs=[], versions=[], metrics=metrics, **fields)
-    return conv.to_trajectory(task_id=task_id, env=env_name, metrics=metrics, **fields)

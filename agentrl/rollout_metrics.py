@@ -15,11 +15,19 @@ from collections.abc import Callable
 from agentrl.types import Group, Trajectory
 
 
+MAX_TOOL_NAMES = 16
+"""Distinct tool names that get their own `rollout/tool_calls/<name>` key; the model picks the
+names, so the rest (misspellings, inventions) share `rollout/tool_calls/_other`."""
+
+
 class RolloutMetrics:
     """Counters since the last `take()`; cheap enough for every finished episode."""
 
     def __init__(self, busy_seconds: Callable[[], float] | None = None) -> None:
         self._busy_seconds = busy_seconds
+        self._started = time.monotonic()
+        self._tokens_total = 0
+        self._tool_names: set[str] = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -40,9 +48,12 @@ class RolloutMetrics:
         self.episodes += 1
         self.tokens += traj.num_sampled_tokens
         self.turns += len(traj.turns)
+        self._tokens_total += traj.num_sampled_tokens
         for turn in traj.turns:
-            if turn.tool_calls:
-                self.tool_calls.update(turn.tool_calls)
+            for name in turn.tool_calls or ():
+                if name not in self._tool_names and len(self._tool_names) < MAX_TOOL_NAMES:
+                    self._tool_names.add(name)
+                self.tool_calls[name if name in self._tool_names else "_other"] += 1
         if traj.error is not None:
             self.errors[traj.error.kind.value] += 1
 
@@ -58,7 +69,9 @@ class RolloutMetrics:
         out: dict[str, float] = {
             "rollout/episodes": float(self.episodes),
             "rollout/episodes_per_s": self.episodes / wall,
-            "rollout/tokens_per_s": self.tokens / wall,
+            # episodes finish in bursts, so a window's rate jumps; the run average is what to watch
+            "rollout/tokens_per_s": self._tokens_total / max(now - self._started, 1e-9),
+            "rollout/window_tokens_per_s": self.tokens / wall,
             "rollout/turns_mean": self.turns / self.episodes if self.episodes else 0.0,
             "rollout/retries": float(self.retries),
             "rollout/groups": float(self.groups_out),

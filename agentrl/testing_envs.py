@@ -37,8 +37,10 @@ class TrivialEnv(Env):
     def __init__(self, config: TrivialEnvConfig | None = None) -> None:
         super().__init__(config)
         self._turn = 0
+        self.steps = 0  # step() calls over the env's lifetime (benchmarks count env steps with it)
         self._rng_instance: random.Random | None = None  # made on first use: seeding costs ~6 us
         self._reply = [Message(role="user", content="ok")]
+        self._latency = None if self.config.step_latency_s.is_zero else self.config.step_latency_s
 
     def _rng(self) -> random.Random:
         """The latency RNG, seeded with `config.seed` when first needed."""
@@ -51,15 +53,15 @@ class TrivialEnv(Env):
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
         self._turn = 0
-        if seed is not None and not self.config.step_latency_s.is_zero:
+        if seed is not None and self._latency is not None:
             self._rng().seed(seed)
         return [Message(role="user", content=str(task.get("prompt", "go")))], {}
 
     async def step(self, action: Message) -> StepResult:
-        latency = self.config.step_latency_s
-        if not latency.is_zero:
-            await asyncio.sleep(latency.sample(self._rng()))
+        self.steps += 1
+        if self._latency is not None:
+            await asyncio.sleep(self._latency.sample(self._rng()))
         self._turn += 1
         if self._turn >= self.config.turns:
-            return StepResult(messages=[], reward=1.0, terminated=True)
-        return StepResult(messages=self._reply)
+            return StepResult([], 1.0, True)
+        return StepResult(self._reply)

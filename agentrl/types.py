@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import enum
 import math
-import uuid
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, Literal
 
 SCHEMA_VERSION = 1
@@ -23,8 +24,8 @@ JSON = Any
 
 
 def new_id() -> str:
-    """A short random identifier for trajectories, groups and tool calls."""
-    return uuid.uuid4().hex[:16]
+    """A short random identifier for trajectories, groups and tool calls (16 hex digits)."""
+    return os.urandom(8).hex()
 
 
 class ErrorClass(enum.StrEnum):
@@ -254,8 +255,22 @@ class Trajectory:
     @property
     def policy_versions(self) -> tuple[int, int] | None:
         """(oldest, newest) policy version among sampled tokens, None if none."""
-        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        vs = list(self._sampled_versions())
         return (min(vs), max(vs)) if vs else None
+
+    @property
+    def oldest_version(self) -> int | None:
+        """Oldest policy version among sampled tokens, None if none (`policy_versions[0]`)."""
+        return min(self._sampled_versions(), default=None)
+
+    def _sampled_versions(self) -> Iterator[int]:
+        """The versions of the sampled tokens (mask 1), in order."""
+        if len(self.versions) != len(self.loss_mask):
+            raise ValueError(
+                f"Trajectory {self.id}: versions ({len(self.versions)}) and loss_mask "
+                f"({len(self.loss_mask)}) differ in length"
+            )
+        return compress(self.versions, self.loss_mask)
 
     def tokens(self) -> TrainSample:
         """The trainer's view of this trajectory."""
@@ -346,8 +361,7 @@ class Group:
     @property
     def oldest_version(self) -> int | None:
         """Oldest policy version any sampled token in the group came from."""
-        vs = [pv[0] for t in self.trajectories if (pv := t.policy_versions) is not None]
-        return min(vs) if vs else None
+        return min((v for t in self.trajectories if (v := t.oldest_version) is not None), default=None)
 
     def to_dict(self) -> dict[str, JSON]:
         return {

@@ -1,11 +1,18 @@
 """Rollout-loop overhead: env steps/s with a zero-latency scripted engine and a trivial env.
 
 Runs the full RolloutManager (groups, gates, Conversation token bookkeeping,
-deadlines, metrics) on one core and compares with a bare baseline in the same
-run: the same engine and env driven by a plain loop with no Conversation, no
-deadlines and no manager. The difference is what agentrl's machinery costs.
+deadlines, metrics) pinned to one core and compares with a bare baseline in the
+same run: the same engine and env driven by a plain loop with no Conversation,
+no deadlines and no manager. The difference is what agentrl's machinery costs.
+An env step is one `env.step` call (counted by the envs themselves and checked
+against the trajectories' turns).
+
+Baseline and managed runs alternate for `--rounds` rounds and the medians are
+reported, as wall-clock rates and as rates per CPU second of this process (the
+machine is shared: the CPU-time rates move less with other people's load).
 
 Summary line: env_steps_per_s=... baseline_steps_per_s=... overhead_us_per_step=...
+env_steps_per_cpu_s=... baseline_steps_per_cpu_s=...
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import asyncio
 import cProfile
 import os
 import pstats
+import statistics
 import time
 
 from agentrl.chat import SimpleChatTokenizer
@@ -32,21 +40,33 @@ def make_env() -> TrivialEnv:
     return TrivialEnv(ENV_CONFIG)
 
 
-async def managed(n_groups: int) -> tuple[int, float]:
+async def managed(n_groups: int) -> tuple[int, float, float]:
+    """Env steps (env.step calls) through RolloutManager, the wall time and the CPU time they took."""
     tok = SimpleChatTokenizer()
     engine = ScriptedEngine(ScriptedEngine.Config(replies=["Fine."]), tokenizer=tok)
     cfg = RolloutConfig(group_size=8, groups_per_step=8, max_in_flight=64, max_staleness=1_000_000,
                         queue_groups=64, max_turns=TURNS, max_total_tokens=4096)
     tasks = ({"id": f"t{i}", "prompt": "go"} for i in range(n_groups))
-    steps = 0
-    start = time.perf_counter()
-    async with RolloutManager(make_env, tasks, engine, tok, cfg) as manager:
+    envs: list[TrivialEnv] = []
+
+    def env_factory() -> TrivialEnv:
+        env = make_env()
+        envs.append(env)
+        return env
+
+    turns = 0
+    start, cpu_start = time.perf_counter(), time.process_time()
+    async with RolloutManager(env_factory, tasks, engine, tok, cfg) as manager:
         async for group in manager.groups():
-            steps += sum(len(t.turns) for t in group.trajectories)
-    return steps, time.perf_counter() - start
+            turns += sum(len(t.turns) for t in group.trajectories)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    steps = sum(env.steps for env in envs)
+    if steps != turns or steps != n_groups * cfg.group_size * TURNS:
+        raise RuntimeError(f"expected {n_groups * cfg.group_size * TURNS} env steps, got {steps} ({turns} turns)")
+    return steps, elapsed, cpu
 
 
-async def baseline(n_episodes: int) -> tuple[int, float]:
+async def baseline(n_episodes: int) -> tuple[int, float, float]:
     """The same engine and env in a bare loop: what asyncio + the env + the engine cost alone."""
     tok = SimpleChatTokenizer()
     engine = ScriptedEngine(ScriptedEngine.Config(replies=["Fine."]), tokenizer=tok)
@@ -65,33 +85,44 @@ async def baseline(n_episodes: int) -> tuple[int, float]:
             if result.terminated:
                 return n
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for chunk in range(0, n_episodes, 64):
         steps += sum(await asyncio.gather(*(episode() for _ in range(min(64, n_episodes - chunk)))))
-    return steps, time.perf_counter() - start
+    return steps, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--groups", type=int, default=2000)
-    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile of the managed run")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating baseline/managed rounds; medians reported")
+    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile of one managed run")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
     asyncio.run(managed(50))  # warm up
-    b_steps, b_s = asyncio.run(baseline(args.groups * 8))
+    rates: dict[str, list[float]] = {"managed": [], "baseline": [], "managed_cpu": [], "baseline_cpu": []}
+    for i in range(args.rounds):
+        b_steps, b_s, b_cpu = asyncio.run(baseline(args.groups * 8))
+        m_steps, m_s, m_cpu = asyncio.run(managed(args.groups))
+        rates["managed"].append(m_steps / m_s)
+        rates["baseline"].append(b_steps / b_s)
+        rates["managed_cpu"].append(m_steps / m_cpu)
+        rates["baseline_cpu"].append(b_steps / b_cpu)
+        print(
+            f"round {i}: managed {m_steps} env steps in {m_s:.2f}s ({m_cpu:.2f}s CPU); "
+            f"baseline {b_steps} in {b_s:.2f}s ({b_cpu:.2f}s CPU); load={os.getloadavg()[0]:.2f}"
+        )
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-    m_steps, m_s = asyncio.run(managed(args.groups))
-    if args.profile:
+        asyncio.run(managed(args.groups))
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    managed_rate, base_rate = m_steps / m_s, b_steps / b_s
-    print(f"managed: {m_steps} env steps in {m_s:.2f}s; baseline: {b_steps} in {b_s:.2f}s; load={os.getloadavg()[0]:.2f}")
+    med = {k: statistics.median(v) for k, v in rates.items()}
     print(
-        f"env_steps_per_s={managed_rate:.0f} baseline_steps_per_s={base_rate:.0f} "
-        f"overhead_us_per_step={1e6 / managed_rate - 1e6 / base_rate:.1f}"
+        f"env_steps_per_s={med['managed']:.0f} baseline_steps_per_s={med['baseline']:.0f} "
+        f"overhead_us_per_step={1e6 / med['managed'] - 1e6 / med['baseline']:.1f} "
+        f"env_steps_per_cpu_s={med['managed_cpu']:.0f} baseline_steps_per_cpu_s={med['baseline_cpu']:.0f}"
     )
 
 

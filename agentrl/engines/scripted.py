@@ -106,6 +106,10 @@ class ScriptedEngine:
         self._encoded: dict[str, list[int]] = {}
         self._shaped: dict[tuple[str, int, tuple[int, ...], tuple[str, ...]], tuple[list[int], FinishReason]] = {}
         self._slots = asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
+        # like the slots, the timing model is read once, here
+        self._zero_latency = (
+            self.config.per_token_s == 0.0 and self.config.ttft_s.is_zero and self._slots is None
+        )
         # (time, version) of every weight update, for per-token version tags
         self._update_times: list[float] = []
         self._update_versions: list[int] = []
@@ -136,10 +140,9 @@ class ScriptedEngine:
         if cfg.error_rate and self._rng.random() < cfg.error_rate:
             raise RuntimeError("scripted engine failure (error_rate)")
         ids, finish = self._reply_ids(prompt_ids, sampling)
-        if cfg.per_token_s == 0.0 and cfg.ttft_s.is_zero and self._slots is None:
-            # zero-latency fast path: no awaits at all (the rollout-overhead benchmark)
-            self.tokens_generated += len(ids)
+        if self._zero_latency:  # no awaits at all (the rollout-overhead benchmark)
             n = len(ids)
+            self.tokens_generated += n
             return Completion(list(prompt_ids), ids, [cfg.logprob] * n, [self.policy_version] * n, finish)
         if self._slots is not None:
             await self._slots.acquire()
@@ -170,7 +173,7 @@ class ScriptedEngine:
         found = self._shaped.get(key)
         if found is None:
             found = self._shaped[key] = self._shape(reply, sampling)
-        return list(found[0]), found[1]
+        return found[0].copy(), found[1]
 
     def _shape(self, reply: str, sampling: Sampling) -> tuple[list[int], FinishReason]:
         """Reply text -> ids, cut by stop strings, length, stop ids and max_tokens."""

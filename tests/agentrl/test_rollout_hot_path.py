@@ -1,0 +1,336 @@
+"""The rollout hot path's shortcuts give exactly what the plain computations give.
+
+Covers the lazily armed `Deadlines`, `with_turn`, SimpleChatTokenizer.encode,
+the Conversation's memoised deltas and turn endings, the trajectory run_episode builds
+and the cheaper version scans on trajectories and groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import re
+import string
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentrl.chat import Conversation, SimpleChatTokenizer, closing_remainder
+from agentrl.engines.base import Sampling
+from agentrl.rollout_episode import Deadlines, EpisodeTimeout, _Failed, with_turn
+from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
+from agentrl.types import Completion, ErrorClass, Group, Message, Trajectory, new_id
+
+# -- deadlines ----------------------------------------------------------------------------
+
+
+async def _armed_await(deadlines: Deadlines, delay_s: float, timeout_s: float) -> str:
+    deadlines.arm(timeout_s)
+    try:
+        await asyncio.sleep(delay_s)
+    except BaseException as e:
+        deadlines.fail(e, ErrorClass.ENV, "env.step", timeout_s)
+    return "done"
+
+
+async def test_a_blocking_await_past_its_deadline_is_a_classified_timeout() -> None:
+    deadlines = Deadlines(episode_timeout_s=60.0)
+    with pytest.raises(_Failed) as info:
+        await _armed_await(deadlines, 10.0, 0.02)
+    assert info.value.kind is ErrorClass.TIMEOUT and "env.step timed out after 0.02s" in str(info.value)
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    deadlines.close()
+
+
+async def test_the_episode_deadline_caps_every_await() -> None:
+    deadlines = Deadlines(episode_timeout_s=0.03)
+    with pytest.raises(EpisodeTimeout):
+        await _armed_await(deadlines, 10.0, 60.0)
+    deadlines.close()
+
+
+async def test_an_earlier_timer_moves_to_the_deadline_of_the_await_in_progress() -> None:
+    deadlines = Deadlines()
+    assert await _armed_await(deadlines, 0.0, 0.03) == "done"  # arms a timer 30 ms out
+    # this await's own deadline is later: the timer fires at 30 ms and moves, no timeout
+    assert await _armed_await(deadlines, 0.08, 5.0) == "done"
+    deadlines.close()
+
+
+async def test_a_swallowed_deadline_cancellation_is_taken_back() -> None:
+    deadlines = Deadlines()
+    deadlines.arm(0.01)
+    with contextlib.suppress(asyncio.CancelledError):  # code that swallows cancellation: the episode goes on
+        await asyncio.sleep(1.0)
+    assert deadlines.fired
+    deadlines.arm(5.0)
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0 and not deadlines.fired
+    deadlines.close()
+
+
+async def test_a_cancellation_from_outside_propagates_unchanged() -> None:
+    started = asyncio.Event()
+
+    async def episode() -> str:
+        deadlines = Deadlines(episode_timeout_s=60.0)
+        try:
+            deadlines.arm(60.0)
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            except BaseException as e:
+                deadlines.fail(e, ErrorClass.ENV, "env.step", 60.0)
+            return "done"
+        finally:
+            deadlines.close()
+
+    job = asyncio.create_task(episode())
+    await started.wait()
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+
+
+async def test_close_cancels_the_timer() -> None:
+    deadlines = Deadlines()
+    await _armed_await(deadlines, 0.0, 0.01)
+    deadlines.close()
+    await asyncio.sleep(0.03)  # the timer would have fired here
+    assert not deadlines.fired
+
+
+def test_deadlines_need_a_task() -> None:
+    async def no_task() -> None:
+        Deadlines()
+
+    coro = no_task()
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        with pytest.raises(RuntimeError, match="inside an asyncio task"):
+            loop.run_until_complete(_drive_outside_a_task(coro))
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+async def _drive_outside_a_task(coro: object) -> None:
+    """Step `coro` by hand from a callback, where no task is current."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def step() -> None:
+        try:
+            coro.send(None)  # type: ignore[attr-defined]
+        except StopIteration:
+            done.set_result(None)
+        except BaseException as e:
+            done.set_exception(e)
+
+    loop.call_soon(step)
+    await done
+
+
+# -- sampling -----------------------------------------------------------------------------
+
+
+def test_with_turn_equals_a_freshly_built_sampling() -> None:
+    template = Sampling(max_tokens=32, temperature=0.7, top_p=0.9, top_k=5, stop_ids=(1, 2), stop_strings=("x",), seed=1)
+    derived = with_turn(template, 7, 99)
+    assert derived == Sampling(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, stop_ids=(1, 2),
+                               stop_strings=("x",), seed=99)
+    assert type(derived) is Sampling and template.seed == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        derived.seed = 3  # type: ignore[misc]
+    assert with_turn(template, 7, None).seed is None
+
+
+# -- the simple tokenizer -----------------------------------------------------------------
+
+SPECIALS = SimpleChatTokenizer.SPECIAL_TOKENS
+_SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+
+
+def reference_encode(text: str) -> list[int]:
+    """Split at special tokens left to right; bytes elsewhere (the tokenizer's definition)."""
+    out: list[int] = []
+    for i, piece in enumerate(_SPLIT.split(text)):
+        if i % 2:
+            out.append(256 + SPECIALS.index(piece))
+        else:
+            out += piece.encode("utf-8")
+    return out
+
+
+FRAGMENTS = [*SPECIALS, "<|", "|>", "<|im_", "start|>", "end|>", "<", "|", "\n", "é", "漢", "😀", "\xf8", "\u0100", "ÿ"]
+texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(string.printable, max_size=5)), max_size=20).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts)
+def test_simple_encode_matches_the_split_definition(text: str) -> None:
+    tok = SimpleChatTokenizer()
+    assert tok.encode(text) == reference_encode(text)
+    assert tok.encode(text) == reference_encode(text)  # again, from the cache
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_simple_encode_of_long_texts_and_cache_copies() -> None:
+    tok = SimpleChatTokenizer()
+    text = "".join(f"<|im_start|>user\n{i} é<|im_end|>\n" for i in range(200))
+    assert tok.encode(text) == reference_encode(text)
+    short = "<|im_start|>assistant\n"
+    first = tok.encode(short)
+    first.append(0)  # callers may change what they get
+    assert tok.encode(short) == reference_encode(short)
+
+
+# -- conversation memos ---------------------------------------------------------------------
+
+
+def _completion(tok: SimpleChatTokenizer, text: str, *, eos: bool = True) -> Completion:
+    ids = tok.encode(text) + ([tok.im_end_id] if eos else [])
+    return Completion([], ids, [-0.5] * len(ids), [3] * len(ids), "stop" if eos else "length")
+
+
+def _play(tok: SimpleChatTokenizer, replies: list[tuple[str, bool]], env_texts: list[str]) -> Conversation:
+    conv = Conversation(tok, [Message(role="system", content="s"), Message(role="user", content="go")])
+    for (reply, eos), env_text in zip(replies, env_texts, strict=True):
+        conv.add_completion(_completion(tok, reply, eos=eos), Message(role="assistant", content=reply))
+        reply_msg = (
+            Message(role="tool", content=env_text, tool_call_id="c1")
+            if env_text.startswith("T:")
+            else Message(role="user", content=env_text)
+        )
+        assert conv.add_messages([reply_msg])
+    return conv
+
+
+def test_memoised_deltas_and_endings_give_the_same_ids_as_fresh_ones() -> None:
+    replies = [("Fine.", True), ("cut", False), ("Fine.", True), ("stop<|im_end|>", False)]
+    env_texts = ["ok", "ok", "T:result", "ok"]
+    shared = SimpleChatTokenizer()
+    first = _play(shared, replies, env_texts)
+    second = _play(shared, replies, env_texts)  # every delta and ending now comes from the memos
+    facts = shared.boundary_cache[""]
+    assert facts.deltas and facts.remainders
+    for conv in (first, second):
+        fresh = _play(SimpleChatTokenizer(), replies, env_texts)
+        assert conv.token_ids == fresh.token_ids and conv.loss_mask == fresh.loss_mask
+        assert conv.logprobs == fresh.logprobs and conv.versions == fresh.versions
+        assert conv.retokenization_drift() == fresh.retokenization_drift() > 0.0  # the last reply drifts
+        assert conv.num_sampled == sum(conv.loss_mask)
+    clean = _play(shared, replies[:3], env_texts[:3])
+    assert clean.token_ids == shared.encode(shared.render(clean.messages, add_generation_prompt=True))
+    # the memos are not aliased by the conversations
+    second.token_ids.clear()
+    assert _play(shared, replies, env_texts).token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("sampled", [[], [5], [5, 258], [258], [5, 257], [257, 10], [10, 257, 10]])
+def test_memoised_closing_remainder(sampled: list[int]) -> None:
+    tok = SimpleChatTokenizer()
+    conv = Conversation(tok, [Message(role="user", content="go")])
+    closing = conv._boundary_info()[1]
+    completion = Completion([], sampled, [0.0] * len(sampled), [0] * len(sampled), "length")
+    conv.add_completion(completion, Message(role="assistant", content=""))
+    assert conv._pending_close == closing_remainder(sampled, closing, tok.eos_ids)
+    again = Conversation(tok, [Message(role="user", content="go")])
+    again.add_completion(completion, Message(role="assistant", content=""))
+    assert again._pending_close == closing_remainder(sampled, closing, tok.eos_ids)
+
+
+async def test_run_episode_trajectory_equals_the_conversation_built_by_hand() -> None:
+    from agentrl.engines.scripted import ScriptedEngine
+    from agentrl.rollout import run_episode
+    from agentrl.rollout_config import RolloutConfig
+
+    tok = SimpleChatTokenizer()
+    engine = ScriptedEngine(ScriptedEngine.Config(replies=["Fine."]), tokenizer=tok)
+    config = RolloutConfig.model_validate({})
+    traj = await run_episode(TrivialEnv(TrivialEnvConfig(turns=3)), {"id": "a", "prompt": "go"}, engine, tok,
+                             config, seed=5)
+    conv = Conversation(tok, [Message(role="user", content="go")])
+    for i in range(3):
+        ids = [*tok.encode("Fine."), tok.im_end_id]
+        conv.add_completion(Completion([], ids, [-1.0] * 6, [0] * 6, "stop"), Message(role="assistant", content="Fine."))
+        if i < 2:
+            assert conv.add_messages([Message(role="user", content="ok")])
+    expected = conv.to_trajectory(task_id="a", env="trivial")
+    assert traj.error is None and traj.terminated and traj.reward == 1.0
+    assert traj.token_ids == expected.token_ids and traj.loss_mask == expected.loss_mask
+    assert traj.logprobs == expected.logprobs and traj.versions == expected.versions
+    assert [m.to_dict() for m in traj.messages] == [m.to_dict() for m in expected.messages]
+    assert [t.to_dict() for t in traj.turns] == [
+        {**t.to_dict(), "reward": 1.0 if k == 2 else 0.0} for k, t in enumerate(expected.turns)
+    ]
+    assert traj.metrics["retokenization_drift"] == expected.metrics["retokenization_drift"] == 0.0
+    assert traj.metrics["sampled_tokens"] == 18.0
+
+
+# -- trajectory and group version scans -----------------------------------------------------
+
+
+def _traj(versions: list[int], mask: list[int]) -> Trajectory:
+    n = len(versions)
+    return Trajectory("t", "e", [], list(range(n)), mask, [0.0] * n, versions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 9), st.sampled_from([0, 1])), max_size=30))
+def test_version_scans_match_the_definition(pairs: list[tuple[int, int]]) -> None:
+    versions, mask = [v for v, _ in pairs], [m for _, m in pairs]
+    traj = _traj(versions, mask)
+    sampled = [v for v, m in pairs if m]
+    assert traj.policy_versions == ((min(sampled), max(sampled)) if sampled else None)
+    assert traj.oldest_version == (min(sampled) if sampled else None)
+    group = Group("t", [traj, _traj([7, 4], [1, 0])])
+    assert group.oldest_version == min([*sampled, 7])
+
+
+def test_version_scans_refuse_misaligned_lists() -> None:
+    traj = _traj([1, 2], [1, 1])
+    traj.loss_mask.append(1)
+    with pytest.raises(ValueError, match="differ in length"):
+        _ = traj.policy_versions
+    with pytest.raises(ValueError, match="differ in length"):
+        _ = Group("t", [traj]).oldest_version
+
+
+def test_new_ids_are_16_hex_digits_and_distinct() -> None:
+    ids = {new_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(re.fullmatch("[0-9a-f]{16}", i) for i in ids)
+
+
+# -- trivial env ----------------------------------------------------------------------------
+
+
+async def test_trivial_env_counts_its_steps() -> None:
+    env = TrivialEnv(TrivialEnvConfig(turns=3))
+    for _ in range(2):
+        await env.reset({"id": "a", "prompt": "go"})
+        results = [await env.step(Message(role="assistant", content="x")) for _ in range(3)]
+        assert [r.terminated for r in results] == [False, False, True] and results[-1].reward == 1.0
+    assert env.steps == 6
+
+
+def test_memoised_multi_message_deltas() -> None:
+    def play(tok: SimpleChatTokenizer) -> list[int]:
+        conv = Conversation(tok, [Message(role="user", content="go")])
+        for _ in range(3):
+            conv.add_completion(_completion(tok, "Fine."), Message(role="assistant", content="Fine."))
+            assert conv.add_messages([
+                Message(role="tool", content="4", tool_call_id="a"),
+                Message(role="user", content="ok"),
+            ])
+            conv.add_completion(_completion(tok, "Fine."), Message(role="assistant", content="Fine."))
+            assert conv.add_messages([Message(role="tool", content="4", tool_call_id="a")])
+        return conv.token_ids
+
+    shared = SimpleChatTokenizer()
+    first, second = play(shared), play(shared)
+    assert first == second == play(SimpleChatTokenizer())
+    assert len(shared.boundary_cache[""].deltas) == 2
