@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from agentrl.types import Group, Trajectory
 
-
 MAX_TOOL_NAMES = 16
 """Distinct tool names that get their own `rollout/tool_calls/<name>` key; the model picks the
 names, so the rest (misspellings, inventions) share `rollout/tool_calls/_other`."""
