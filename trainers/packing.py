@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from agentrl.trainers.shared_prefix import SHARED_PREFIX_KWARG
 
 
 @dataclass(slots=True)
@@ -179,6 +178,10 @@ def padding_stats(batches: Sequence[PackedBatch], lengths: Sequence[int]) -> dic
 
 
 # ----------------------------------------------------------------------------- attention
+SHARED_PREFIX_KWARG = "agentrl_shared_prefix_len"
+"""Model-forward kwarg read by `packed_sdpa_attention`: the length of a cached shared prefix
+(`shared_prefix.shared_prefix_hidden`)."""
+
 PACKED_ATTENTION = "agentrl_packed_sdpa"
 """transformers attention-implementation name of `packed_sdpa_attention`."""
 

@@ -19,10 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from agentrl.trainers.packing import SHARED_PREFIX_KWARG, plan_micro_batches
 from torch import nn
-
-SHARED_PREFIX_KWARG = "agentrl_shared_prefix_len"
-"""Model-forward kwarg read by `packing.packed_sdpa_attention`: the length of the cached prefix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +83,9 @@ def layout_cost(cu_seqlens: Sequence[int], layout: Sequence[tuple[int, int, int]
 
 
 def plan_families(families: Sequence[Family], lengths: Sequence[int], token_budget: int) -> list[list[Family]]:
-    """First-fit-decreasing packing of whole families into micro-batches of <= token_budget cost."""
-    order = sorted(families, key=lambda f: (-family_cost(f, lengths), f.members))
-    bins: list[list[Family]] = []
-    free: list[int] = []
-    for fam in order:
-        cost = family_cost(fam, lengths)
-        for b, room in enumerate(free):
-            if cost <= room:
-                bins[b].append(fam)
-                free[b] -= cost
-                break
-        else:
-            bins.append([fam])
-            free.append(max(token_budget - cost, 0))
-    return bins
+    """Whole families into micro-batches of <= token_budget cost (first-fit decreasing)."""
+    bins = plan_micro_batches([family_cost(f, lengths) for f in families], token_budget)
+    return [[families[i] for i in b] for b in bins]
 
 
 def shared_prefix_hidden(
