@@ -54,7 +54,7 @@ async def _evaluate(run_config: RunConfig, run_dir: Path | None) -> dict[str, ob
     try:
         result = await evaluate_config(run_config, parts)
     finally:
-        await parts.engine.close()
+        await parts.close()
     summary: dict[str, object] = {
         "model": run_config.model.path,
         "env": run_config.env.name,

@@ -30,6 +30,7 @@ class Parts:
     """The live objects of one run (built once, closed once)."""
 
     env_factory: Callable[[], Env]
+    probe: Env  # lists the tasks and gives the demonstrations; closed with the run
     train_tasks: list[Task]
     test_tasks: list[Task]
     engine: InferenceEngine
@@ -37,7 +38,10 @@ class Parts:
     trainer: Any  # agentrl.trainers.torch_trainer.TorchTrainer (torch-backed; typed loosely here)
 
     async def close(self) -> None:
-        await self.engine.close()
+        try:
+            await self.engine.close()
+        finally:
+            await self.probe.close()
 
 
 @dataclass(slots=True)
@@ -45,16 +49,23 @@ class EvalParts:
     """What an evaluation needs: no trainer."""
 
     env_factory: Callable[[], Env]
+    probe: Env
     test_tasks: list[Task]
     engine: InferenceEngine
     tokenizer: ChatTokenizer
+
+    async def close(self) -> None:
+        try:
+            await self.engine.close()
+        finally:
+            await self.probe.close()
 
 
 def build_parts(config: RunConfig) -> Parts:
     """Construct env factory, tasks, tokenizer, trainer and engine from the config."""
     plugins = config.registry()
     model_path = resolve_model(config.model.path)
-    env_factory, train_tasks, test_tasks = _env_and_tasks(config)
+    env_factory, probe, train_tasks, test_tasks = _env_and_tasks(config)
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
     trainer_cls = plugins.registry("trainers").get(config.trainer.name)
     trainer_config = config.trainer.config or trainer_cls.Config(**config.trainer.params)
@@ -67,18 +78,19 @@ def build_parts(config: RunConfig) -> Parts:
         )
     trainer = trainer_cls(trainer_config, model_path)
     engine = _engine(config, model_path, tokenizer)
-    return Parts(env_factory, train_tasks, test_tasks, engine, tokenizer, trainer)
+    return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer)
 
 
 def build_engine_only(config: RunConfig) -> EvalParts:
     """Env, held-out tasks, tokenizer and engine (for `agentrl eval`)."""
     model_path = resolve_model(config.model.path)
-    env_factory, _, test_tasks = _env_and_tasks(config)
+    env_factory, probe, _, test_tasks = _env_and_tasks(config)
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
-    return EvalParts(env_factory, test_tasks, _engine(config, model_path, tokenizer), tokenizer)
+    return EvalParts(env_factory, probe, test_tasks, _engine(config, model_path, tokenizer), tokenizer)
 
 
-def _env_and_tasks(config: RunConfig) -> tuple[Callable[[], Env], list[Task], list[Task]]:
+def _env_and_tasks(config: RunConfig) -> tuple[Callable[[], Env], Env, list[Task], list[Task]]:
+    """The env factory, one probe env (the caller closes it) and the train / held-out tasks."""
     plugins = config.registry()
 
     def env_factory() -> Env:
@@ -87,7 +99,7 @@ def _env_and_tasks(config: RunConfig) -> tuple[Callable[[], Env], list[Task], li
     probe = env_factory()
     train_tasks = list(probe.tasks("train"))
     test_tasks = list(probe.tasks(config.run.eval_split))[: config.run.eval_tasks]
-    return env_factory, train_tasks, test_tasks
+    return env_factory, probe, train_tasks, test_tasks
 
 
 def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> InferenceEngine:
@@ -171,6 +183,5 @@ def _warm_start_samples(config: RunConfig, parts: Parts) -> list[TrainSample]:
             return [r.trajectory.tokens() for r in old.iter_records() if r.trajectory.reward >= ws.min_reward]
         finally:
             old.close()
-    env = parts.env_factory()
-    tools = env.prompt_tools()  # rendered exactly as rollouts render them
-    return [demonstration_sample(parts.tokenizer, demo, tools=tools) for demo in env.demonstrations()]
+    tools = parts.probe.prompt_tools()  # rendered exactly as rollouts render them
+    return [demonstration_sample(parts.tokenizer, demo, tools=tools) for demo in parts.probe.demonstrations()]
