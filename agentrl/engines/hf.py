@@ -108,6 +108,11 @@ class HFEngine:
         prefix_cache_tokens: int = Field(
             default=32768, ge=0, description="tokens of KV kept for prefix reuse across requests; 0 disables"
         )
+        cpu_threads: int = Field(
+            default=0, ge=0,
+            description="torch intra-op threads of the engine's worker thread (0 = torch's default); on a "
+            "CPU shared with the trainer, fewer threads avoid oversubscribing the cores",
+        )
 
     def __init__(self, config: HFEngine.Config | None = None, *, model: Any = None, tokenizer: Any = None) -> None:
         self.config = cfg = config if config is not None else self.Config()
@@ -139,6 +144,7 @@ class HFEngine:
         self._busy_s = 0.0
         self.steps = 0
         self.tokens_generated = 0
+        self.worker_threads = 0  # torch intra-op threads of the worker, set when it starts
         self._weights_epoch = 0  # bumped by every weight copy; cached KV matches only its own epoch
         self._prefix = PrefixCache(cfg.prefix_cache_tokens if _plain_kv_cache(self.model) else 0)
         self.prefill_tokens = 0  # prompt tokens run through the model at admission
@@ -191,6 +197,9 @@ class HFEngine:
     # -- the scheduler (worker thread) ------------------------------------------------------
 
     def _run(self) -> None:
+        if self.config.cpu_threads:
+            torch.set_num_threads(self.config.cpu_threads)  # per OS thread: the trainer's count is unchanged
+        self.worker_threads = torch.get_num_threads()
         batch: _Batch | None = None
         while True:
             with self._cv:
@@ -494,6 +503,7 @@ class HFEngine:
             detail={
                 "steps": self.steps,
                 "tokens": self.tokens_generated,
+                "worker_threads": self.worker_threads,
                 "paused": self._paused,
                 "admitted": self.admitted,
                 "prefill_tokens": self.prefill_tokens,

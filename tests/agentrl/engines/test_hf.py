@@ -212,3 +212,15 @@ async def test_bf16_autocast_runs(tiny_llama_path: str) -> None:
         assert 1 <= len(out.ids) <= 4 and all(lp <= 0 for lp in out.logprobs)
     finally:
         await eng.close()
+
+
+async def test_cpu_threads_limits_only_the_engine_worker(tiny_llama_path: str) -> None:
+    """On a CPU shared with the trainer the engine can take fewer intra-op threads; the caller keeps its own."""
+    before = torch.get_num_threads()
+    eng = HFEngine(HFEngine.Config(model=tiny_llama_path, dtype="fp32", cpu_threads=1))
+    try:
+        await eng.generate(eng.tokenizer.encode("hi"), Sampling(max_tokens=2, seed=0))
+        assert (await eng.health()).detail["worker_threads"] == 1
+        assert torch.get_num_threads() == before
+    finally:
+        await eng.close()
