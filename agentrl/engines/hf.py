@@ -246,31 +246,42 @@ class HFEngine:
         """Prefill the new prompts (reusing cached prefixes) and merge them into the running batch."""
         for r in new:
             r.epoch = self._weights_epoch
-        first, later = self._split(new)
-        fresh = self._prefill(first)
+        first, hits, later = self._split(new)
+        fresh = self._prefill(first, hits)
         if later:  # their prefixes are in the store now, left there by `first`
-            fresh = _merge(fresh, self._prefill(later))
+            fresh = _merge(fresh, self._prefill(later, self._lookup(later)))
         merged = fresh if batch is None else _merge(batch, fresh)
         return self._retire(merged)
 
-    def _split(self, new: list[_Request]) -> tuple[list[_Request], list[_Request]]:
-        """Defer requests that share a longer prefix with an earlier new request than with the store."""
+    def _lookup(self, reqs: list[_Request]) -> list[tuple[PrefixEntry | None, int]]:
+        """Each prompt's longest cached prefix (entry, length), leaving its last token to prefill."""
+        if not self._prefix.enabled:
+            return [(None, 0)] * len(reqs)
+        return [
+            self._prefix.lookup(torch.tensor(r.prompt, dtype=torch.long), r.epoch, len(r.prompt) - 1) for r in reqs
+        ]
+
+    def _split(
+        self, new: list[_Request]
+    ) -> tuple[list[_Request], list[tuple[PrefixEntry | None, int]], list[_Request]]:
+        """Requests to prefill now with their store hits, and those to defer: requests sharing a
+        longer prefix with an earlier new request than with the store."""
         if not self._prefix.enabled or len(new) < 2:
-            return new, []
-        first: list[tuple[_Request, torch.Tensor]] = []
+            return new, self._lookup(new), []
+        first: list[tuple[_Request, torch.Tensor, tuple[PrefixEntry | None, int]]] = []
         later: list[_Request] = []
         for r in new:
             ids = torch.tensor(r.prompt, dtype=torch.long)
             limit = len(r.prompt) - 1
-            _, hit = self._prefix.lookup(ids, self._weights_epoch, limit)
-            shared = max((common_prefix(ids, other) for _, other in first), default=0)
-            if min(shared, limit) >= hit + _MIN_SHARED_GAIN:
+            hit = self._prefix.lookup(ids, r.epoch, limit)
+            shared = max((common_prefix(ids, other) for _, other, _ in first), default=0)
+            if min(shared, limit) >= hit[1] + _MIN_SHARED_GAIN:
                 later.append(r)
             else:
-                first.append((r, ids))
-        return [r for r, _ in first], later
+                first.append((r, ids, hit))
+        return [r for r, _, _ in first], [h for _, _, h in first], later
 
-    def _prefill(self, reqs: list[_Request]) -> _Batch:
+    def _prefill(self, reqs: list[_Request], hits: list[tuple[PrefixEntry | None, int]]) -> _Batch:
         """One forward pass over the uncached rest of each prompt; samples each row's first token.
 
         Row i of the call: [pad | cached KV of n_i tokens] as past (width P = max n_i),
@@ -278,12 +289,6 @@ class HFEngine:
         two parts where n_i < P and the suffix is shorter than S. `_pack` closes it.
         """
         dev = self.model.device
-        hits: list[tuple[PrefixEntry | None, int]] = [
-            self._prefix.lookup(torch.tensor(r.prompt, dtype=torch.long), r.epoch, len(r.prompt) - 1)
-            if self._prefix.enabled
-            else (None, 0)
-            for r in reqs
-        ]
         past = max(n for _, n in hits)
         width = max(len(r.prompt) - n for r, (_, n) in zip(reqs, hits, strict=True))
         ids = torch.full((len(reqs), width), self._pad_id, dtype=torch.long)
@@ -350,7 +355,7 @@ class HFEngine:
             values = [layer.values[i, :, start : start + n].clone() for layer in layers]
             return keys, values
 
-        self._prefix.insert(tokens, kv, version=self.policy_version, epoch=epoch)
+        self._prefix.insert(tokens, kv, epoch=epoch)
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         """One decode step for every running row."""

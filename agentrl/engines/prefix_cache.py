@@ -35,7 +35,6 @@ class PrefixEntry:
     tokens: torch.Tensor  # [T] long, on the CPU
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    version: int  # policy version of the weights that computed it (for reports)
     epoch: int  # the engine's weights epoch: matched only while it is current
 
     def __len__(self) -> int:
@@ -94,7 +93,7 @@ class PrefixCache:
             self._entries.move_to_end(id(best))
         return best, best_len
 
-    def insert(self, tokens: Sequence[int], kv: KVSlicer, *, version: int, epoch: int) -> None:
+    def insert(self, tokens: Sequence[int], kv: KVSlicer, *, epoch: int) -> None:
         """Store the KV of `tokens`; `kv(n)` returns owned copies of the first n tokens' KV.
 
         Longer than `max_tokens`: only the first `max_tokens` are kept (a prefix's KV is
@@ -115,7 +114,7 @@ class PrefixCache:
             if shared == len(entry):  # the old entry is a prefix of the new one
                 self._drop(key)
         keys, values = kv(n)
-        entry = PrefixEntry(ids, keys, values, version, epoch)
+        entry = PrefixEntry(ids, keys, values, epoch)
         self._entries[id(entry)] = entry
         self.tokens += n
         while self.tokens > self.max_tokens:

@@ -251,12 +251,12 @@ def fake_kv(n: int) -> tuple[list[Any], list[Any]]:
 
 def test_store_deduplicates_truncates_and_matches_only_its_epoch() -> None:
     store = PrefixCache(max_tokens=10)
-    store.insert([1, 2, 3], fake_kv, version=0, epoch=0)
-    store.insert([1, 2], fake_kv, version=0, epoch=0)  # covered: nothing new
+    store.insert([1, 2, 3], fake_kv, epoch=0)
+    store.insert([1, 2], fake_kv, epoch=0)  # covered: nothing new
     assert len(store) == 1 and store.tokens == 3
-    store.insert([1, 2, 3, 4, 5], fake_kv, version=0, epoch=0)  # extends: replaces
+    store.insert([1, 2, 3, 4, 5], fake_kv, epoch=0)  # extends: replaces
     assert len(store) == 1 and store.tokens == 5
-    store.insert(list(range(100, 120)), fake_kv, version=0, epoch=0)  # longer than the cap: truncated
+    store.insert(list(range(100, 120)), fake_kv, epoch=0)  # longer than the cap: truncated
     assert store.tokens == 10 and store.evictions == 1
     (entry,) = store.entries()
     assert entry.tokens.tolist() == list(range(100, 110)) and entry.keys[0].shape == (1, 10, 1)
