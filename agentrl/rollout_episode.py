@@ -12,7 +12,6 @@ step's reward); each turn records the reward of the step that answered it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import math
 import time
@@ -213,37 +212,6 @@ class Deadlines:
         self._task.uncancel()
 
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "stop_ids", "stop_strings", "seed")
-_FAST_SAMPLING = tuple(f.name for f in dataclasses.fields(Sampling)) == _SAMPLING_FIELDS and all(
-    hasattr(Sampling.__dict__.get(name), "__set__") for name in _SAMPLING_FIELDS
-)
-if _FAST_SAMPLING:  # the slots' own setters: a frozen dataclass refuses plain setattr
-    (_set_max_tokens, _set_temperature, _set_top_p, _set_top_k, _set_stop_ids, _set_stop_strings, _set_seed) = (
-        Sampling.__dict__[name].__set__ for name in _SAMPLING_FIELDS
-    )
-_new_object = object.__new__
-
-
-def with_turn(template: Sampling, max_tokens: int, seed: int | None) -> Sampling:
-    """`template` with another `max_tokens` (>= 1, checked by the caller) and `seed`.
-
-    Sampling is a frozen dataclass whose validating `__init__` costs about as
-    much as the rest of a zero-latency env step; the other fields were already
-    validated in `template`, so they are copied as they are.
-    """
-    if not _FAST_SAMPLING:  # Sampling changed shape: the plain (validating) way
-        return dataclasses.replace(template, max_tokens=max_tokens, seed=seed)
-    s = _new_object(Sampling)
-    _set_max_tokens(s, max_tokens)
-    _set_temperature(s, template.temperature)
-    _set_top_p(s, template.top_p)
-    _set_top_k(s, template.top_k)
-    _set_stop_ids(s, template.stop_ids)
-    _set_stop_strings(s, template.stop_strings)
-    _set_seed(s, seed)
-    return s
-
-
 def episode_seed(seed: int | None, turn: int) -> int | None:
     """The engine seed of one turn: reproducible per (episode seed, turn)."""
     return None if seed is None else (seed * 1_000_003 + turn) % (2**63)
@@ -253,7 +221,7 @@ def episode_seed(seed: int | None, turn: int) -> int | None:
 def _sampling_template(
     temperature: float, top_p: float, top_k: int, stop_ids: tuple[int, ...], stop_strings: tuple[str, ...]
 ) -> Sampling:
-    """A validated Sampling for these run-wide settings; each turn derives its own (`with_turn`)."""
+    """A validated Sampling for these run-wide settings; each turn derives its own (`Sampling.for_turn`)."""
     return Sampling(max_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids,
                     stop_strings=stop_strings, seed=None)
 
@@ -315,9 +283,9 @@ async def run_episode(
             if max_new <= 0:
                 truncated, reason = True, conv.exhausted() or "max_total_tokens"
                 break
-            turn_seed = None if seed is None else (seed * 1_000_003 + turn) % (2**63)  # episode_seed()
+            turn_seed = episode_seed(seed, turn)
             if sampling.max_tokens != max_new or sampling.seed != turn_seed:
-                sampling = with_turn(sampling, max_new, turn_seed)
+                sampling = sampling.for_turn(max_new, turn_seed)
             t = deadlines.arm(gen_timeout)
             try:
                 completion = await generate(conv.token_ids, sampling)

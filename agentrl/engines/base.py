@@ -37,6 +37,21 @@ class Sampling:
         if self.top_k < 0:
             raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
 
+    def for_turn(self, max_tokens: int, seed: int | None) -> Sampling:
+        """This sampling with another `max_tokens` and `seed` (one per turn of an episode).
+
+        Only `max_tokens` is checked: the other fields were validated when `self` was
+        built, and the full `__init__` is a measurable share of a fast env step.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be >= 1, got {max_tokens}")
+        copy = object.__new__(Sampling)
+        for name in ("temperature", "top_p", "top_k", "stop_ids", "stop_strings"):
+            object.__setattr__(copy, name, getattr(self, name))  # frozen: what dataclass __init__ does
+        object.__setattr__(copy, "max_tokens", max_tokens)
+        object.__setattr__(copy, "seed", seed)
+        return copy
+
 
 @dataclass(slots=True)
 class EngineHealth:

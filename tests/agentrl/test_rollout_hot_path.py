@@ -1,6 +1,6 @@
 """The rollout hot path's shortcuts give exactly what the plain computations give.
 
-Covers the lazily armed `Deadlines`, `with_turn`, SimpleChatTokenizer.encode,
+Covers the lazily armed `Deadlines`, `Sampling.for_turn`, SimpleChatTokenizer.encode,
 the Conversation's memoised deltas and turn endings, the trajectory run_episode builds
 and the cheaper version scans on trajectories and groups.
 """
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from agentrl.chat import Conversation, SimpleChatTokenizer, closing_remainder
 from agentrl.engines.base import Sampling
-from agentrl.rollout_episode import Deadlines, EpisodeTimeout, _Failed, with_turn
+from agentrl.rollout_episode import Deadlines, EpisodeTimeout, _Failed
 from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
 from agentrl.types import Completion, ErrorClass, Group, Message, Trajectory, new_id
 
@@ -137,15 +137,17 @@ async def _drive_outside_a_task(coro: object) -> None:
 # -- sampling -----------------------------------------------------------------------------
 
 
-def test_with_turn_equals_a_freshly_built_sampling() -> None:
+def test_for_turn_equals_a_freshly_built_sampling() -> None:
     template = Sampling(max_tokens=32, temperature=0.7, top_p=0.9, top_k=5, stop_ids=(1, 2), stop_strings=("x",), seed=1)
-    derived = with_turn(template, 7, 99)
+    derived = template.for_turn(7, 99)
     assert derived == Sampling(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, stop_ids=(1, 2),
                                stop_strings=("x",), seed=99)
     assert type(derived) is Sampling and template.seed == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         derived.seed = 3  # type: ignore[misc]
-    assert with_turn(template, 7, None).seed is None
+    assert template.for_turn(7, None).seed is None
+    with pytest.raises(ValueError, match="max_tokens"):
+        template.for_turn(0, 1)
 
 
 # -- the simple tokenizer -----------------------------------------------------------------
