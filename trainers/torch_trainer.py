@@ -48,7 +48,7 @@ from agentrl.trainers.logprobs import (
 from agentrl.trainers.losses import PolicyLossInputs, aggregation_weights, kl_estimate, policy_loss
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
 from agentrl.trainers.packing import PackedBatch, pack, pack_all, padding_stats, use_packed_attention
-from agentrl.trainers.shared_prefix import find_families, layout_cost, plan_families
+from agentrl.trainers.shared_prefix import Family, find_families, layout_cost, plan_families
 from agentrl.trainers.token_stats import TokenStatsRecorder
 from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 from torch import nn
@@ -229,13 +229,13 @@ class TorchTrainer:
         input_ids: Sequence[Sequence[int]],
         fields: Mapping[str, Sequence[torch.Tensor]],
         subset: Sequence[int],
-        group_of: Sequence[int] | None = None,
+        families: Sequence[Family] | None = None,
     ) -> list[PackedBatch]:
-        """Micro-batches of `subset`; with `group_of` (sample -> group) and shared_prefix, by family."""
+        """Micro-batches of `subset`; with shared-prefix `families`, whole families per micro-batch."""
         if not subset:
             return []
-        if group_of is not None and self.config.shared_prefix:
-            return self._pack_families(input_ids, fields, subset, group_of)
+        if families is not None:
+            return self._pack_families(input_ids, fields, subset, families)
         return pack_all(
             input_ids,
             fields,
@@ -250,16 +250,11 @@ class TorchTrainer:
         input_ids: Sequence[Sequence[int]],
         fields: Mapping[str, Sequence[torch.Tensor]],
         subset: Sequence[int],
-        group_of: Sequence[int],
+        families: Sequence[Family],
     ) -> list[PackedBatch]:
-        """Whole shared-prefix families per micro-batch, members contiguous, layout recorded."""
-        groups: dict[int, list[int]] = {}
-        for i in subset:
-            groups.setdefault(group_of[i], []).append(i)
-        masks = [m.tolist() for m in fields["loss_mask"]]
-        fams = find_families(
-            list(groups.values()), input_ids, masks, min_prefix=self.config.shared_prefix_min_tokens
-        )
+        """Families cut to `subset` (a subset shares at least the family's prefix), members contiguous."""
+        chosen = set(subset)
+        fams = [Family(kept, f.prefix_len) for f in families if (kept := tuple(m for m in f.members if m in chosen))]
         lengths = [len(x) for x in input_ids]
         batches: list[PackedBatch] = []
         for bin_ in plan_families(fams, lengths, self.config.micro_batch_tokens):
@@ -328,8 +323,13 @@ class TorchTrainer:
         ids = [s.input_ids for s in samples]
         base = _base_fields(samples)
         mine = shard(len(samples), self.world)
-        group_of = [g for g, members in enumerate(nested) for _ in members]
-        aux_batches = self._pack(ids, base, mine, group_of)
+        families = None
+        if cfg.shared_prefix:  # once per step: ids and masks are the same for every epoch and mini-batch
+            starts = list(itertools.accumulate((len(g) for g in nested), initial=0))
+            groups = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+            masks = [m.tolist() for m in base["loss_mask"]]
+            families = find_families(groups, ids, masks, min_prefix=cfg.shared_prefix_min_tokens)
+        aux_batches = self._pack(ids, base, mine, families)
         metrics: dict[str, float] = {}
 
         ref: dict[int, torch.Tensor] = {}
@@ -387,7 +387,7 @@ class TorchTrainer:
         for _epoch in range(cfg.epochs):
             for part in partition:
                 local = [i for i in part if i in mine_set]
-                batches = self._pack(ids, fields, local, group_of)
+                batches = self._pack(ids, fields, local, families)
                 first = _epoch == 0
                 if first:
                     first_epoch_batches.extend(batches)
