@@ -171,6 +171,8 @@ class RolloutManager:
         self._changed.set()
 
     async def _wait_until(self, ready: Callable[[], bool]) -> None:
+        if ready():  # the common case: no timer to arm and cancel
+            return
         async with asyncio.timeout(self._stall_timeout_s):
             while not ready():
                 self._changed.clear()

@@ -11,8 +11,15 @@ Baseline and managed runs alternate for `--rounds` rounds and the medians are
 reported, as wall-clock rates and as rates per CPU second of this process (the
 machine is shared: the CPU-time rates move less with other people's load).
 
+A third measurement, the loop floor, runs `run_episode` alone (no manager,
+no tasks) against an engine and an env that do no work at all (a fixed
+completion, a fixed step result): what one env step costs in agentrl's
+per-episode bookkeeping (token-exact Conversation, deadlines, per-turn
+sampling, drift check, trajectory) before any engine, env or scheduling cost.
+No engine or env can make the managed rate exceed it.
+
 Summary line: env_steps_per_s=... baseline_steps_per_s=... overhead_us_per_step=...
-env_steps_per_cpu_s=... baseline_steps_per_cpu_s=...
+env_steps_per_cpu_s=... baseline_steps_per_cpu_s=... loop_floor_steps_per_s=...
 """
 
 from __future__ import annotations
@@ -24,13 +31,18 @@ import os
 import pstats
 import statistics
 import time
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from agentrl.chat import SimpleChatTokenizer
-from agentrl.engines.base import Sampling
+from agentrl.engines.base import EngineHealth, Sampling, WeightSource
 from agentrl.engines.scripted import ScriptedEngine
+from agentrl.env import Env, StepResult, Task
 from agentrl.rollout import RolloutManager
 from agentrl.rollout_config import RolloutConfig
+from agentrl.rollout_episode import run_episode
 from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
+from agentrl.types import Completion, Message
 
 TURNS = 8
 ENV_CONFIG = TrivialEnvConfig(turns=TURNS)
@@ -91,6 +103,67 @@ async def baseline(n_episodes: int) -> tuple[int, float, float]:
     return steps, time.perf_counter() - start, time.process_time() - cpu_start
 
 
+class _FreeEngine:
+    """Returns the same completion at once: an engine that costs nothing (the floor measurement)."""
+
+    policy_version = 0
+
+    def __init__(self, tok: SimpleChatTokenizer) -> None:
+        ids = [*tok.encode("Fine."), tok.eos_ids[0]]
+        self._completion = Completion([], ids, [-1.0] * len(ids), [0] * len(ids), "stop")
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
+        return self._completion
+
+    async def update_weights(self, weights: WeightSource, version: int) -> None:
+        self.policy_version = version
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(ok=True, policy_version=self.policy_version)
+
+    async def close(self) -> None:
+        return None
+
+
+class _FreeEnv(Env):
+    """TURNS turns with fixed step results: an env that costs nothing (the floor measurement)."""
+
+    name = "free"
+    _opening = (Message(role="user", content="go"),)
+    _reply = StepResult([Message(role="user", content="ok")])
+    _last = StepResult([], 1.0, True)
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.steps = 0
+
+    def tasks(self, split: str = "train") -> Iterable[Task]:
+        return ()
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
+        return list(self._opening), {}
+
+    async def step(self, action: Message) -> StepResult:
+        self.steps += 1
+        return self._last if self.steps % TURNS == 0 else self._reply
+
+
+async def floor(n_episodes: int) -> tuple[int, float, float]:
+    """`run_episode` alone, one episode after another, with a free engine and env."""
+    tok = SimpleChatTokenizer()
+    engine = _FreeEngine(tok)
+    cfg = RolloutConfig(group_size=8, max_turns=TURNS, max_total_tokens=4096)
+    env = _FreeEnv()
+    task: Task = {"id": "t", "prompt": "go"}
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for i in range(n_episodes):
+        await run_episode(env, task, engine, tok, cfg, seed=i)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    if env.steps != n_episodes * TURNS:
+        raise RuntimeError(f"expected {n_episodes * TURNS} env steps, got {env.steps}")
+    return env.steps, elapsed, cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--groups", type=int, default=2000)
@@ -100,7 +173,7 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
     asyncio.run(managed(50))  # warm up
-    rates: dict[str, list[float]] = {"managed": [], "baseline": [], "managed_cpu": [], "baseline_cpu": []}
+    rates: dict[str, list[float]] = {"managed": [], "baseline": [], "managed_cpu": [], "baseline_cpu": [], "floor": []}
     for i in range(args.rounds):
         b_steps, b_s, b_cpu = asyncio.run(baseline(args.groups * 8))
         m_steps, m_s, m_cpu = asyncio.run(managed(args.groups))
@@ -108,9 +181,12 @@ def main() -> None:
         rates["baseline"].append(b_steps / b_s)
         rates["managed_cpu"].append(m_steps / m_cpu)
         rates["baseline_cpu"].append(b_steps / b_cpu)
+        f_steps, f_s, _ = asyncio.run(floor(args.groups * 8))
+        rates["floor"].append(f_steps / f_s)
         print(
             f"round {i}: managed {m_steps} env steps in {m_s:.2f}s ({m_cpu:.2f}s CPU); "
-            f"baseline {b_steps} in {b_s:.2f}s ({b_cpu:.2f}s CPU); load={os.getloadavg()[0]:.2f}"
+            f"baseline {b_steps} in {b_s:.2f}s ({b_cpu:.2f}s CPU); "
+            f"loop floor {f_steps} in {f_s:.2f}s; load={os.getloadavg()[0]:.2f}"
         )
     if args.profile:
         prof = cProfile.Profile()
@@ -122,7 +198,8 @@ def main() -> None:
     print(
         f"env_steps_per_s={med['managed']:.0f} baseline_steps_per_s={med['baseline']:.0f} "
         f"overhead_us_per_step={1e6 / med['managed'] - 1e6 / med['baseline']:.1f} "
-        f"env_steps_per_cpu_s={med['managed_cpu']:.0f} baseline_steps_per_cpu_s={med['baseline_cpu']:.0f}"
+        f"env_steps_per_cpu_s={med['managed_cpu']:.0f} baseline_steps_per_cpu_s={med['baseline_cpu']:.0f} "
+        f"loop_floor_steps_per_s={med['floor']:.0f}"
     )
 
 

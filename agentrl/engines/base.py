@@ -8,6 +8,7 @@ The contract is shaped so that vLLM's AsyncLLM fits without an adapter layer
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -45,12 +46,24 @@ class Sampling:
         """
         if max_tokens < 1:
             raise ValueError(f"sampling.max_tokens must be >= 1, got {max_tokens}")
+        # frozen: write the slots directly (their descriptors' __set__ is the cheapest way, ~0.1 us each)
         copy = object.__new__(Sampling)
-        for name in ("temperature", "top_p", "top_k", "stop_ids", "stop_strings"):
-            object.__setattr__(copy, name, getattr(self, name))  # frozen: what dataclass __init__ does
-        object.__setattr__(copy, "max_tokens", max_tokens)
-        object.__setattr__(copy, "seed", seed)
+        s_max, s_temp, s_top_p, s_top_k, s_stop_ids, s_stop_strings, s_seed = _SLOT_SETTERS
+        s_max(copy, max_tokens)
+        s_temp(copy, self.temperature)
+        s_top_p(copy, self.top_p)
+        s_top_k(copy, self.top_k)
+        s_stop_ids(copy, self.stop_ids)
+        s_stop_strings(copy, self.stop_strings)
+        s_seed(copy, seed)
         return copy
+
+
+_SLOT_SETTERS = tuple(getattr(Sampling, f.name).__set__ for f in dataclasses.fields(Sampling))
+"""Each field's slot setter, in field order (what `Sampling.for_turn` writes with)."""
+assert tuple(f.name for f in dataclasses.fields(Sampling)) == (
+    "max_tokens", "temperature", "top_p", "top_k", "stop_ids", "stop_strings", "seed"
+), "Sampling.for_turn unpacks _SLOT_SETTERS in this order"
 
 
 @dataclass(slots=True)
