@@ -27,6 +27,7 @@ import ast
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -352,6 +353,7 @@ class Plugins:
         self.engines: Registry[Any] = Registry("engines", _check_callable)
         self.trainers: Registry[Any] = Registry("trainers", _check_callable)
         self.tool_parsers: Registry[Any] = Registry("tool_parsers", _check_callable)
+        self._takes_plugins: dict[type[Env], bool] = {}  # per env class: does __init__ take `plugins=`?
 
     @classmethod
     def discover(cls, modules: Sequence[str | ModuleType] = (), *, entry_points: bool = True) -> Plugins:
@@ -420,8 +422,29 @@ class Plugins:
         return config
 
     def create_env(self, name: str, params: Mapping[str, Any] | None = None) -> Env:
-        """Instantiate env `name` with validated `params`."""
-        return self.envs.get(name)(self.env_config(name, params))
+        """Instantiate env `name` with validated `params`.
+
+        An env whose constructor takes a `plugins` keyword gets this registry:
+        the tools, rewards and sandboxes its config names then resolve against
+        the run's plugins (the user's modules included), not a fresh discovery.
+        """
+        cls = self.envs.get(name)
+        config = self.env_config(name, params)
+        takes = self._takes_plugins.get(cls)
+        if takes is None:  # inspect once per class: envs are built per episode
+            takes = self._takes_plugins[cls] = _takes_keyword(cls, "plugins")
+        return cls(config, plugins=self) if takes else cls(config)  # type: ignore[call-arg]
+
+
+def _takes_keyword(cls: type, name: str) -> bool:
+    """Whether `cls(...)` accepts a keyword argument called `name` (declared, not via **kwargs)."""
+    try:
+        parameter = inspect.signature(cls).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    )
 
 
 def _own_marker(obj: Any) -> tuple[str, str] | None:

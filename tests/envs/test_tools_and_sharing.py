@@ -106,3 +106,24 @@ async def test_envs_of_a_run_share_one_sandbox_closed_after_the_last(plugins: ag
     third = CodeEnv(plugins=plugins)
     assert await third.sandbox() is not sandbox  # a fresh one after the last release
     await third.close()
+
+
+async def test_create_env_hands_the_run_plugins_to_the_env(tmp_path: Path, plugins: agentrl.Plugins) -> None:
+    """A run builds envs through `Plugins.create_env`: tools and rewards named in the env's config
+    resolve against the run's plugins (here a tool from a user module), not a fresh discovery."""
+    plugins.envs.add("dataset", "agentrl.envs.dataset_env:DatasetEnv", source="test")
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"q": "What is 1234 + 4321?", "a": "5555"}))
+    params = {"source": {"path": str(path)}, "columns": {"question": "q", "answer": "a"}, "test_fraction": 0.0,
+              "tools": ["add"]}
+    env = plugins.create_env("dataset", params)
+    assert isinstance(env, DatasetEnv) and env.plugins is plugins
+    traj = await play(env, next(iter(env.tasks())), [call("add", a=1234, b=4321), "\\boxed{5555}"])
+    assert [m.content for m in traj.messages if m.role == "tool"] == ["5555"]
+    assert traj.reward == 1.0
+
+
+def test_create_env_leaves_envs_without_a_plugins_parameter_alone(plugins: agentrl.Plugins) -> None:
+    plugins.envs.add("calculator", "agentrl.envs.calculator:CalculatorEnv", source="test")
+    env = plugins.create_env("calculator", {})
+    assert env.name == "calculator" and not hasattr(env, "plugins")
