@@ -9,25 +9,16 @@ Hermes tool call, and the tool-result delta TRL appends equals agentrl's.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("e2e_vs_trl", ROOT / "benchmarks" / "e2e_vs_trl.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["e2e_vs_trl"] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark: Callable[[str], ModuleType]) -> ModuleType:
+    return load_benchmark("e2e_vs_trl")
 
 
 def test_measure_excludes_warmup(bench: ModuleType) -> None:

@@ -7,9 +7,7 @@ error: an episode that fails at turn 1 is cheap and would inflate the number.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
@@ -18,17 +16,10 @@ from agentrl.chat import SimpleChatTokenizer
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import run_episode
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("rollout_overhead", ROOT / "benchmarks" / "rollout_overhead.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rollout_overhead"] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark: Callable[[str], ModuleType]) -> ModuleType:
+    return load_benchmark("rollout_overhead")
 
 
 def test_floor_episode_runs_every_turn_through_the_full_bookkeeping(bench: ModuleType) -> None:
