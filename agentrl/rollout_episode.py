@@ -15,9 +15,8 @@ import asyncio
 import functools
 import math
 import time
-import types
-from collections.abc import Awaitable, Coroutine, Generator
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Awaitable
+from typing import NoReturn, TypeVar
 
 from agentrl.chat import Budgets, ChatTokenizer, Conversation
 from agentrl.engines.base import InferenceEngine, Sampling
@@ -62,39 +61,11 @@ class _Failed(Exception):
 async def within(aw: Awaitable[T], timeout_s: float) -> T:
     """Await `aw` under a deadline of `timeout_s` (TimeoutError when it passes).
 
-    The coroutine's first step runs before the deadline is armed: one that
-    finishes without suspending (a zero-latency engine or env, a free
-    semaphore) never pays for a timer, which keeps the rollout loop's overhead
-    per env step low. Every await that does suspend runs under the deadline.
+    For one-off awaits outside an episode's loop (a slot when none is free, an
+    env's close); the loop's own awaits share one timer through `Deadlines`.
     """
-    if not isinstance(aw, types.CoroutineType):
-        async with asyncio.timeout(timeout_s):
-            return await aw
-    try:
-        first = aw.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
     async with asyncio.timeout(timeout_s):
-        return await _resume(aw, first)
-
-
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, T], first: Any) -> Generator[Any, Any, T]:
-    """Continue a coroutine whose first step already ran (what `yield from` does)."""
-    pending = first
-    while True:
-        try:
-            sent = yield pending
-        except BaseException as e:  # cancellation (e.g. the deadline) goes into the coroutine
-            try:
-                pending = coro.throw(e)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-        else:
-            try:
-                pending = coro.send(sent)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return await aw
 
 
 class EpisodeTimeout(TimeoutError):
