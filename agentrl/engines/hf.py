@@ -111,7 +111,7 @@ class HFEngine:
         cpu_threads: int = Field(
             default=0, ge=0,
             description="torch intra-op threads of the engine's worker thread (0 = torch's default); on a "
-            "CPU shared with the trainer, fewer threads avoid oversubscribing the cores",
+            "CPU shared with the trainer fewer threads can avoid oversubscription (measure: docs/rollout.md)",
         )
 
     def __init__(self, config: HFEngine.Config | None = None, *, model: Any = None, tokenizer: Any = None) -> None:
