@@ -24,6 +24,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import difflib
+import functools
 import json
 import sys
 from array import array
@@ -425,14 +426,20 @@ class Budgets:
 
     @classmethod
     def from_rollout_config(cls, config: Any) -> Budgets:
-        """Budgets from a `RolloutConfig` (or anything with the same fields)."""
-        return cls(
-            max_turns=config.max_turns,
-            max_total_tokens=config.max_total_tokens,
-            max_new_tokens_per_turn=config.max_new_tokens_per_turn,
-            max_tool_output_tokens=config.max_tool_output_tokens,
-            tool_output_truncation=config.tool_output_truncation,
+        """Budgets from a `RolloutConfig` (or anything with the same fields).
+
+        Equal settings share one (frozen) instance: every episode calls this, and a
+        cache lookup is cheaper than re-validating.
+        """
+        return _shared_budgets(
+            config.max_turns, config.max_total_tokens, config.max_new_tokens_per_turn,
+            config.max_tool_output_tokens, config.tool_output_truncation,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_budgets(*fields: Any) -> Budgets:
+    return Budgets(*fields)
 
 
 class _TemplateFacts:
@@ -563,18 +570,7 @@ class Conversation:
             if m.role == "tool":
                 new[i] = self._fit_tool_output(m)
         facts = self._facts or self._template_facts()
-        key: tuple[Any, ...] | None
-        if not _MEMO_KEYS_COMPLETE:
-            key = None
-        elif len(new) == 1:  # the common case, keyed without a nested tuple
-            m = new[0]
-            key = (
-                None
-                if m.tool_calls or len(m.content) > facts.MAX_TEXT_CHARS
-                else (m.role, m.content, m.tool_call_id, m.name)
-            )
-        else:
-            key = _delta_key(new)
+        key = _delta_key(new)
         encoded = facts.deltas.get(key) if key is not None else None
         if encoded is None:
             encoded = self._delta_ids(new, facts.prefix)
@@ -616,11 +612,6 @@ class Conversation:
             self.tokenizer, message.content, b.max_tool_output_tokens, b.tool_output_truncation
         )
         return message if text is message.content else dataclasses.replace(message, content=text)
-
-    def _boundary_info(self) -> tuple[str, list[int]]:
-        """(text of the dummy prefix, ids of the turn-closing text), cached per tokenizer and tools."""
-        facts = self._facts or self._template_facts()
-        return facts.prefix, facts.closing
 
     def _template_facts(self) -> _TemplateFacts:
         """This template's `_TemplateFacts`, shared through the tokenizer's `boundary_cache` if it has one."""
@@ -684,11 +675,16 @@ _MEMO_KEYS_COMPLETE = tuple(f.name for f in dataclasses.fields(Message)) == (
 )
 
 
-def _delta_key(messages: Sequence[Message]) -> tuple[tuple[str, str, str | None, str | None], ...] | None:
-    """The memo key of an env-message delta: every field the template sees; None when not memoised."""
+def _delta_key(messages: Sequence[Message]) -> tuple[Any, ...] | None:
+    """The memo key of an env-message delta: every field the template sees; None when not memoised.
+
+    One message (the common case) is keyed by its flat field tuple, several by a tuple of those.
+    """
+    if not _MEMO_KEYS_COMPLETE:
+        return None
     key = []
     for m in messages:
         if m.tool_calls or len(m.content) > _TemplateFacts.MAX_TEXT_CHARS:
             return None
         key.append((m.role, m.content, m.tool_call_id, m.name))
-    return tuple(key)
+    return key[0] if len(key) == 1 else tuple(key)

@@ -197,11 +197,6 @@ def _sampling_template(
                     stop_strings=stop_strings, seed=None)
 
 
-@functools.lru_cache(maxsize=64)
-def _budgets(max_turns: int, max_total: int, max_new: int, max_tool: int, side: str) -> Budgets:
-    return Budgets(max_turns, max_total, max_new, max_tool, side)  # type: ignore[arg-type]
-
-
 async def run_episode(
     env: Env,
     task: Task,
@@ -241,9 +236,7 @@ async def run_episode(
             deadlines.fail(e, ErrorClass.ENV, "env.reset", env_timeout)
         env_s += clock() - t
         tools = env.prompt_tools()
-        budgets = _budgets(config.max_turns, config.max_total_tokens, config.max_new_tokens_per_turn,
-                           config.max_tool_output_tokens, config.tool_output_truncation)
-        conv = Conversation(tokenizer, opening, tools=tools, budgets=budgets)
+        conv = Conversation(tokenizer, opening, tools=tools, budgets=Budgets.from_rollout_config(config))
         turns = conv.turns
         turn = 0
         sampling = _sampling_template(

@@ -236,7 +236,7 @@ def test_memoised_deltas_and_endings_give_the_same_ids_as_fresh_ones() -> None:
 def test_memoised_closing_remainder(sampled: list[int]) -> None:
     tok = SimpleChatTokenizer()
     conv = Conversation(tok, [Message(role="user", content="go")])
-    closing = conv._boundary_info()[1]
+    closing = conv._template_facts().closing
     completion = Completion([], sampled, [0.0] * len(sampled), [0] * len(sampled), "length")
     conv.add_completion(completion, Message(role="assistant", content=""))
     assert conv._pending_close == closing_remainder(sampled, closing, tok.eos_ids)
