@@ -38,10 +38,7 @@ class Parts:
     trainer: Any  # agentrl.trainers.torch_trainer.TorchTrainer (torch-backed; typed loosely here)
 
     async def close(self) -> None:
-        try:
-            await self.engine.close()
-        finally:
-            await self.probe.close()
+        await _close_parts(self.engine, self.probe)
 
 
 @dataclass(slots=True)
@@ -55,10 +52,15 @@ class EvalParts:
     tokenizer: ChatTokenizer
 
     async def close(self) -> None:
-        try:
-            await self.engine.close()
-        finally:
-            await self.probe.close()
+        await _close_parts(self.engine, self.probe)
+
+
+async def _close_parts(engine: InferenceEngine, probe: Env) -> None:
+    """Close the engine, then the probe env even if the engine's close failed."""
+    try:
+        await engine.close()
+    finally:
+        await probe.close()
 
 
 def build_parts(config: RunConfig) -> Parts:
