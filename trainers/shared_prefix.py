@@ -15,6 +15,7 @@ the hidden states are produced differently (`shared_prefix_hidden`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,11 +76,8 @@ def family_cost(family: Family, lengths: Sequence[int]) -> int:
 
 def layout_cost(cu_seqlens: Sequence[int], layout: Sequence[tuple[int, int, int]]) -> int:
     """`family_cost` summed over a packed row's families (padding of the suffix batch included)."""
-    total = 0
-    for first, count, p in layout:
-        longest = max(cu_seqlens[k + 1] - cu_seqlens[k] for k in range(first, first + count)) - p
-        total += p + count * longest
-    return total
+    lengths = [b - a for a, b in itertools.pairwise(cu_seqlens)]
+    return sum(family_cost(Family(tuple(range(first, first + count)), p), lengths) for first, count, p in layout)
 
 
 def plan_families(families: Sequence[Family], lengths: Sequence[int], token_budget: int) -> list[list[Family]]:
