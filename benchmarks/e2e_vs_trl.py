@@ -105,9 +105,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_workload(args: argparse.Namespace) -> RunConfig:
-    """The user's run config with the benchmark's changes: steps, no eval, no warm start, JSONL only."""
-    return load_config(Path(args.config), [*args.overrides, *_fixed_overrides(args)])
+def load_workload(args: argparse.Namespace, *extra: str) -> RunConfig:
+    """The user's run config with the benchmark's changes: steps, no eval, no warm start, JSONL only
+    (and `extra` overrides last)."""
+    return load_config(Path(args.config), [*args.overrides, *_fixed_overrides(args), *extra])
 
 
 def _fixed_overrides(args: argparse.Namespace) -> list[str]:
@@ -209,15 +210,7 @@ def run_agentrl(args: argparse.Namespace, staleness: int) -> Result:
     from agentrl.loop import train
 
     with tempfile.TemporaryDirectory(prefix="e2e-vs-trl-") as tmp:
-        config = load_config(
-            Path(args.config),
-            [
-                *args.overrides,
-                *_fixed_overrides(args),
-                f"rollout.max_staleness={staleness}",
-                f"run.output_dir={tmp}",
-            ],
-        )
+        config = load_workload(args, f"rollout.max_staleness={staleness}", f"run.output_dir={tmp}")
         run_dir = asyncio.run(train(config))
         rows = [
             json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
@@ -296,13 +289,7 @@ def trl_settings(config: RunConfig, prompts: Sequence[Prompt], precision: str) -
 
 
 def run_trl(args: argparse.Namespace) -> Result:
-    try:
-        import trl
-    except ImportError:
-        raise SystemExit(
-            f"TRL is not installed. Install it into this environment with:\n  pip install 'trl=={TRL_VERSION}'\n"
-            "(or `pip install -e '.[bench]'`; it does not change torch or transformers)"
-        ) from None
+    trl = _require_trl()
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -520,13 +507,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = load_workload(args)  # validate before spending minutes
     print(describe(config, args), file=sys.stderr)
     if "trl" in args.systems.split(","):
-        try:
-            import trl  # noqa: F401
-        except ImportError:
-            raise SystemExit(
-                f"TRL is not installed. Install it with:  pip install 'trl=={TRL_VERSION}'  "
-                "(or pip install -e '.[bench]'), or run with --systems agentrl_async,agentrl_sync"
-            ) from None
+        _require_trl()  # before spending minutes on the agentrl runs
     results: dict[str, Result | str] = {}
     for system in args.systems.split(","):
         results[system] = run_system(system, raw, args.timeout)
@@ -557,6 +538,19 @@ def summary(results: dict[str, Result | str]) -> str:
         f"async_s_per_step={a:.2f} sync_s_per_step={y:.2f} trl_s_per_step={x:.2f} "
         f"async_tok_s={t('agentrl_async'):.1f} sync_tok_s={t('agentrl_sync'):.1f} trl_tok_s={t('trl'):.1f}"
     )
+
+
+def _require_trl() -> Any:
+    """The `trl` module, or exit with how to install it."""
+    try:
+        import trl
+    except ImportError:
+        raise SystemExit(
+            f"TRL is not installed. Install it with:  pip install 'trl=={TRL_VERSION}'  "
+            "(or pip install -e '.[bench]'; it leaves torch and transformers as they are), "
+            "or run with --systems agentrl_async,agentrl_sync"
+        ) from None
+    return trl
 
 
 def _mean(values: Sequence[float]) -> float:
