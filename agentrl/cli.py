@@ -145,6 +145,30 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
     typer.echo(dump_config(load_config(config, overrides or [])), nl=False)
 
 
+def config_explain(
+    config: Annotated[
+        str | None,
+        typer.Argument(help="Run config YAML file; may be left out when overrides name the env (env.name=math)."),
+    ] = None,
+    overrides: OverridesArg = None,
+    key: Annotated[
+        str | None, typer.Option("--key", "-k", help="Only this key or section, e.g. rollout or trainer.kl.")
+    ] = None,
+    changed: Annotated[bool, typer.Option("--changed", help="Only keys set to something else than their default.")] = False,
+) -> None:
+    """Explain every config key: value, type, allowed values, limits, default and meaning."""
+    from agentrl.config import load_config, resolve_config
+    from agentrl.config_explain import explain, format_docs
+
+    overrides = list(overrides or [])
+    if config is not None and "=" in config and not Path(config).exists():  # no file, overrides only
+        overrides.insert(0, config)
+        config = None
+    run_config = load_config(config, overrides) if config is not None else resolve_config({}, overrides)
+    docs = explain(run_config, key or "")
+    typer.echo(format_docs([d for d in docs if d.changed] if changed else docs), nl=False)
+
+
 def train(
     config: Annotated[Path | None, typer.Argument(help="Run config YAML (omit with --resume).")] = None,
     overrides: OverridesArg = None,
@@ -206,6 +230,7 @@ def build_app() -> typer.Typer:
     app.command("check-env")(clean_errors(check_env_command))
     config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
     config_app.command("show")(clean_errors(config_show))
+    config_app.command("explain")(clean_errors(config_explain))
     app.add_typer(config_app, name="config")
     app.command("train")(clean_errors(train))
     _register_contributed(app)

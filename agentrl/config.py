@@ -1,10 +1,12 @@
 """The run config: one pydantic model from YAML plus `a.b=c` command-line overrides.
 
-Fixed sections (`run`, `model`, `rollout`) are typed here; plugin sections
-(`env`, `engine`, `trainer`, `sandbox`, `reward`) are `{name: ..., <params>}` and
-their params are validated by the plugin's own `Config` (found through a
-`Plugins` registry), so every key is either honoured or rejected. A bad config
-raises `ConfigError` with the full key path, the bad value and what is allowed::
+Fixed sections (`run`, `model`, `rollout`, `warm_start`) are typed here; plugin
+sections (`env`, `engine`, `trainer`) are `{name: ..., <params>}` and their
+params are validated by the plugin's own `Config` (found through a `Plugins`
+registry), so every key is either honoured or rejected: a key that would do
+nothing is an error too (a run-level `sandbox`, an `engine.model` other than
+`model.path`). A bad config raises `ConfigError` with the full key path, the
+bad value and what is allowed::
 
     rollout.max_staleness: got -1; Input should be greater than or equal to 0
 
@@ -38,31 +40,46 @@ class _Section(BaseModel):
 class RunSection(_Section):
     """Where the run lives, how long it trains, when it saves and evaluates."""
 
-    name: str = "run"
-    output_dir: str = "runs"
-    seed: int = 0
+    name: str = Field(
+        "run",
+        description="run directory under output_dir (a timestamp is added if it exists and is not empty)",
+    )
+    output_dir: str = Field("runs", description="directory that holds the run directories")
+    seed: int = Field(0, description="seed of the training task order and of every episode's sampling")
     steps: int = Field(100, ge=1, description="optimizer steps to train")
     save_every: int = Field(50, ge=1, description="checkpoint every N steps (and at the end)")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps; 0 = never")
     eval_tasks: int = Field(64, ge=1, description="tasks of the eval split per evaluation")
-    eval_split: str = "test"
+    eval_split: str = Field("test", description="env task split to evaluate on (training uses split train)")
     eval_samples: int = Field(1, ge=1, description="samples per eval task (pass@k uses k <= this)")
-    loggers: list[Logger] = ["jsonl"]  # pydantic copies mutable defaults per instance
+    loggers: list[Logger] = Field(  # pydantic copies mutable defaults per instance
+        ["jsonl"],
+        description="metric sinks: jsonl (metrics.jsonl, always written), tensorboard, wandb, mlflow",
+    )
 
 
 class ModelSection(_Section):
     """The policy model: a local directory, a built-in alias or a hub id."""
 
-    path: str = "smollm2-135m-instruct"
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    path: str = Field(
+        "smollm2-135m-instruct",
+        description="policy to train and serve: a local directory, alias smollm2-135m-instruct or a hub id",
+    )
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="default engine.dtype (not the trainer's dtype); auto = the checkpoint's own dtype",
+    )
 
 
 class WarmStartSection(_Section):
     """Optional SFT before RL: on the env's demonstrations or a past run's good episodes."""
 
     steps: int = Field(0, ge=0, description="SFT steps before RL; 0 = no warm start")
-    source: Literal["demonstrations", "store"] = "demonstrations"
-    batch_size: int = Field(8, ge=1)
+    source: Literal["demonstrations", "store"] = Field(
+        "demonstrations",
+        description="SFT data: the env's demonstrations or a past run's stored episodes (store_path)",
+    )
+    batch_size: int = Field(8, ge=1, description="SFT samples per step (the samples are cycled through)")
     store_path: str | None = Field(None, description="trajectories.sqlite of a past run (source=store)")
     min_reward: float = Field(1.0, description="keep stored episodes with reward >= this (source=store)")
 
@@ -103,9 +120,13 @@ PLUGIN_SECTIONS: dict[str, str] = {
     "env": "envs",
     "engine": "engines",
     "trainer": "trainers",
-    "sandbox": "sandboxes",
-    "reward": "rewards",
 }
+
+NOT_RUN_LEVEL: dict[str, str] = {
+    "sandbox": "a sandbox belongs to the env that runs code: set env.sandbox (e.g. {name: docker})",
+    "reward": "the env scores its episodes: set the env's reward keys (e.g. env.rewards for dataset and math)",
+}
+"""Sections a run config does not have, with where their settings go instead."""
 
 
 DEFAULT_PLUGINS: dict[str, str] = {"engine": "hf", "trainer": "torch"}
@@ -114,15 +135,24 @@ DEFAULT_PLUGINS: dict[str, str] = {"engine": "hf", "trainer": "torch"}
 class RunConfig(_Section):
     """Everything one `agentrl train` needs."""
 
-    run: RunSection = RunSection.model_validate({})
-    model: ModelSection = ModelSection.model_validate({})
-    env: PluginSpec
-    engine: PluginSpec = PluginSpec(name=DEFAULT_PLUGINS["engine"])
-    trainer: PluginSpec = PluginSpec(name=DEFAULT_PLUGINS["trainer"])
-    sandbox: PluginSpec | None = None
-    reward: PluginSpec | None = None
-    rollout: RolloutConfig = RolloutConfig.model_validate({})
-    warm_start: WarmStartSection = WarmStartSection.model_validate({})
+    run: RunSection = Field(
+        RunSection.model_validate({}), description="run directory, length, checkpoints, evaluation, loggers"
+    )
+    model: ModelSection = Field(ModelSection.model_validate({}), description="the policy model")
+    env: PluginSpec = Field(description="env plugin and its params (required; `env: NAME` = {name: NAME})")
+    engine: PluginSpec = Field(
+        PluginSpec(name=DEFAULT_PLUGINS["engine"]),
+        description="inference engine plugin and its params; its model/dtype default to the model section",
+    )
+    trainer: PluginSpec = Field(
+        PluginSpec(name=DEFAULT_PLUGINS["trainer"]), description="trainer plugin and its params"
+    )
+    rollout: RolloutConfig = Field(
+        RolloutConfig.model_validate({}), description="grouping, concurrency, staleness, budgets, failures"
+    )
+    warm_start: WarmStartSection = Field(
+        WarmStartSection.model_validate({}), description="optional SFT steps before RL"
+    )
     plugins: list[str] = Field(default_factory=list, description="user modules to import for their plugins")
     _registry: Plugins | None = PrivateAttr(default=None)
 
@@ -244,7 +274,10 @@ def resolve_config(
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
-    data = apply_overrides(raw, overrides)
+    data = _without_legacy_keys(apply_overrides(raw, overrides))
+    for key, where in NOT_RUN_LEVEL.items():
+        if key in data:
+            raise ConfigError(f"{key}: not a run-level section; {where}")
     for section, name in DEFAULT_PLUGINS.items():  # `trainer.lr=...` alone keeps the default trainer
         spec = data.setdefault(section, {})
         if isinstance(spec, dict):
@@ -273,8 +306,29 @@ def resolve_config(
         resolved._config = validated
         updates[section] = resolved
     config = config.model_copy(update=updates)
+    served = config.engine.params.get("model", config.model.path)
+    if served != config.model.path:
+        raise ConfigError(
+            f"engine.model: got {served!r}, but the engine serves the policy the trainer trains, "
+            f"model.path={config.model.path!r}; set model.path instead"
+        )
     config._registry = plugins
     return config
+
+
+def _without_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Drop keys that configs written by earlier versions hold with no effect, so their runs resume.
+
+    Those versions wrote `sandbox: null`, `reward: null` and `rollout.reward_timeout_s: 60.0`
+    into every run's config.yaml; none of them ever did anything.
+    """
+    for key in NOT_RUN_LEVEL:
+        if key in data and data[key] is None:
+            del data[key]
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and rollout.get("reward_timeout_s") == 60.0:
+        del rollout["reward_timeout_s"]
+    return data
 
 
 def load_config(

@@ -33,7 +33,7 @@ def closest(name: str, candidates: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
-def _as_model(annotation: Any) -> type[BaseModel] | None:
+def model_in(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model in an annotation like `Sub`, `Sub | None` or `Optional[Sub]`."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
@@ -52,7 +52,7 @@ def _field_names(model: type[BaseModel] | None, loc: Sequence[int | str]) -> lis
         field = current.model_fields.get(str(part))
         if field is None:
             return None
-        current = _as_model(field.annotation)
+        current = model_in(field.annotation)
     return list(current.model_fields) if current is not None else None
 
 

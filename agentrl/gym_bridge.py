@@ -251,7 +251,7 @@ class GymnasiumEnvConfig(EnvConfig):
     num_tasks: int = Field(1000, ge=1, description="tasks (= reset seeds) per split")
     test_offset: int = Field(1_000_000, ge=0, description="first seed of the test split")
     max_invalid_actions: int = Field(3, ge=0, description="unparseable replies allowed before truncation")
-    invalid_action_reward: float = 0.0
+    invalid_action_reward: float = Field(0.0, description="reward of a reply that names no valid action (0 or a penalty)")
 
 
 class GymnasiumEnv(Env):

@@ -18,12 +18,11 @@ from typing import TypeVar
 from agentrl.config import RunConfig, dump_config
 from agentrl.metrics_log import MetricsLog
 from agentrl.progress import TrainProgress
-from agentrl.rollout import RolloutManager
 from agentrl.run_dir import RunDir
 from agentrl.store import TrajectoryStore
 from agentrl.task_stream import TaskStream
 from agentrl.types import Group
-from agentrl.wiring import Parts, batch_metrics, build_parts, run_eval, warm_start
+from agentrl.wiring import Parts, batch_metrics, build_parts, rollout_manager, run_eval, warm_start
 
 T = TypeVar("T")
 
@@ -83,8 +82,7 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
             for i in range(0, len(retrain), size):  # stored groups whose update died with a crash
                 if await train_on(retrain[i : i + size], progress, dict):
                     return run.path
-            rollouts = RolloutManager(parts.env_factory, stream.iterate(store.cursors()), parts.engine,
-                                      parts.tokenizer, config.rollout, start_version=parts.trainer.policy_version)
+            rollouts = rollout_manager(config, parts, stream.iterate(store.cursors()))
             async with rollouts:
                 async for batch in _batches(rollouts.groups(), size):
                     done = await train_on(batch, progress, rollouts.metrics)

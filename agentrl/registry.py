@@ -407,7 +407,8 @@ class Plugins:
         model = getattr(obj, "Config", None)
         if isinstance(model, type) and issubclass(model, BaseModel):
             try:
-                return model.model_validate(dict(params))
+                # the context lets a plugin's Config check the plugins it names (e.g. an env's sandbox)
+                return model.model_validate(dict(params), context={"plugins": self})
             except ValidationError as e:
                 raise config_error(e, prefix=prefix, model=model) from None
         if params:

@@ -38,10 +38,15 @@ class SamplingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    stop_strings: list[str] = Field(default_factory=list)
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the top tokens up to this mass; 1 = off"
+    )
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens; 0 = no limit")
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="strings that end a reply, besides the eos ids (the stop string is kept in the reply)",
+    )
 
 
 class RolloutConfig(BaseModel):
@@ -57,22 +62,44 @@ class RolloutConfig(BaseModel):
     )
     queue_groups: int = Field(8, ge=1, description="finished groups buffered before back-pressure")
     # budgets
-    max_turns: int = Field(8, ge=1)
-    max_total_tokens: int = Field(4096, ge=16)
-    max_new_tokens_per_turn: int = Field(512, ge=1)
-    max_tool_output_tokens: int = Field(512, ge=1)
-    tool_output_truncation: str = Field("middle", pattern="^(left|right|middle)$")
-    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig.model_validate({}))
+    max_turns: int = Field(8, ge=1, description="model turns per episode; then it ends truncated (max_turns)")
+    max_total_tokens: int = Field(
+        4096,
+        ge=16,
+        description="tokens of the whole episode, prompt and env messages included; then it ends truncated",
+    )
+    max_new_tokens_per_turn: int = Field(
+        512, ge=1, description="tokens generated per turn; a longer reply is cut and still goes to the env"
+    )
+    max_tool_output_tokens: int = Field(
+        512, ge=1, description="tool messages are cut to this many tokens (a truncation marker included)"
+    )
+    tool_output_truncation: str = Field(
+        "middle",
+        pattern="^(left|right|middle)$",
+        description="side cut from long tool output: right keeps the head, left the tail, middle both ends",
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig.model_validate({}), description="sampling of every model turn"
+    )
     # deadlines (seconds)
-    episode_timeout_s: float = Field(600.0, gt=0)
-    generate_timeout_s: float = Field(300.0, gt=0)
-    env_timeout_s: float = Field(60.0, gt=0)
-    reward_timeout_s: float = Field(60.0, gt=0)
+    episode_timeout_s: float = Field(
+        600.0, gt=0, description="seconds for a whole episode; then it fails with a timeout error"
+    )
+    generate_timeout_s: float = Field(300.0, gt=0, description="seconds per engine generate call")
+    env_timeout_s: float = Field(60.0, gt=0, description="seconds per env.reset, env.step or env.close call")
     # failures
-    on_error: dict[ErrorClass, FailurePolicy] = Field(default_factory=_default_error_policy)
-    max_retries: int = Field(2, ge=0)
-    # DAPO dynamic sampling: drop groups whose rewards are all equal
-    dynamic_sampling: bool = False
+    on_error: dict[ErrorClass, FailurePolicy] = Field(
+        default_factory=_default_error_policy,
+        description="error class -> drop_group, zero_reward (keep, reward 0) or retry; "
+        "classes left out keep their default",
+    )
+    max_retries: int = Field(
+        2, ge=0, description="reruns of an episode whose error class maps to retry; then the group is dropped"
+    )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (a new one starts)"
+    )
 
     @model_validator(mode="after")
     def _complete_error_policy(self) -> RolloutConfig:

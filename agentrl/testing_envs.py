@@ -21,9 +21,9 @@ from agentrl.types import Message
 
 class TrivialEnvConfig(EnvConfig):
     turns: int = Field(default=4, ge=1, description="model turns per episode")
-    num_tasks: int = Field(default=64, ge=1)
+    num_tasks: int = Field(default=64, ge=1, description="tasks per split")
     step_latency_s: Distribution = Field(default_factory=Distribution, description="time one step takes")
-    seed: int = 0
+    seed: int = Field(default=0, description="seed of the step-latency sampler (an episode seed reseeds it)")
 
 
 class TrivialEnv(Env):

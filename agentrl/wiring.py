@@ -8,7 +8,7 @@ engine, torch trainer) are imported only when built.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from agentrl.env import Env, Task
 from agentrl.errors import ConfigError
 from agentrl.evaluation import EvalResult, evaluate
 from agentrl.metrics_log import MetricsLog
+from agentrl.rollout import RolloutManager
 from agentrl.store import TrajectoryStore
 from agentrl.types import Group, TrainSample
 
@@ -112,6 +113,14 @@ def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> Inf
         params["model"] = model_path
     engine: InferenceEngine = engine_cls.from_config(engine_cls.Config(**params), tokenizer=tokenizer)
     return engine
+
+
+def rollout_manager(config: RunConfig, parts: Parts, tasks: Iterable[Task]) -> RolloutManager:
+    """The run's rollout manager; its episode seeds derive from `run.seed` (other seed, other samples)."""
+    return RolloutManager(
+        parts.env_factory, tasks, parts.engine, parts.tokenizer, config.rollout,
+        start_version=parts.trainer.policy_version, seed=config.run.seed,
+    )
 
 
 def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, float]:

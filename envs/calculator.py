@@ -70,7 +70,11 @@ class CalculatorConfig(ToolEnvConfig):
 
     digits: int = Field(2, ge=1, le=9, description="digits of each operand")
     num_operands: int = Field(2, ge=2, le=8, description="numbers in each problem")
-    operators: list[Op] = Field(default_factory=lambda: _default_operators(), min_length=1)
+    operators: list[Op] = Field(
+        default_factory=lambda: _default_operators(),
+        min_length=1,
+        description="operators to draw from (+ - * /); chains stay whole and non-negative",
+    )
     style: Literal["word", "plain", "mixed"] = Field(
         "word", description="word problems, bare expressions, or both"
     )
@@ -78,10 +82,10 @@ class CalculatorConfig(ToolEnvConfig):
         None,
         description="override word templates: keys start, +, -, *, /, question; placeholders {name} {n} {item}",
     )
-    seed: int = 0
-    n_train: int = Field(1000, ge=1)
-    n_test: int = Field(200, ge=0)
-    system_prompt: str = SYSTEM_PROMPT
+    seed: int = Field(0, description="seed of the problem and demonstration generators; same seed -> same tasks")
+    n_train: int = Field(1000, ge=1, description="problems in the train split")
+    n_test: int = Field(200, ge=0, description="problems in the test split (none repeats a train expression); 0 = none")
+    system_prompt: str = Field(SYSTEM_PROMPT, description="system message of every episode and demonstration")
     few_shot: int = Field(2, ge=0, le=8, description="worked demonstrations put in the prompt")
     format_bonus: float = Field(
         0.0, ge=0.0, le=1.0, description="shaping: added when the reply has 'Answer: <number>'"

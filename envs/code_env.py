@@ -21,9 +21,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
+from agentrl.errors import PluginError
 from agentrl.types import JSON, Message
 
 from .shared import shared_objects
@@ -42,19 +43,36 @@ class SandboxSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = "local"
-    params: dict[str, JSON] = Field(default_factory=dict)
+    name: str = Field("local", description="sandbox plugin name, e.g. local, docker, e2b, sandboxfusion")
+    params: dict[str, JSON] = Field(default_factory=dict, description="options of that sandbox plugin (its Config)")
+
+    @model_validator(mode="after")
+    def _check_now(self, info: ValidationInfo) -> SandboxSpec:
+        """With the run's registry at hand (a run config, `create_env`), check name and params now.
+
+        Otherwise a misspelt backend or option would surface only when the first
+        episode makes the sandbox, as a sandbox error in every episode.
+        """
+        plugins = (info.context or {}).get("plugins")
+        if plugins is not None:
+            try:
+                plugins.validate_params("sandboxes", self.name, self.params, prefix="params")
+            except PluginError as e:
+                raise ValueError(f"name: {e}") from None
+        return self
 
 
 class CodeConfig(EnvConfig):
     """Config of the `code` env."""
 
     problems_path: str | None = Field(None, description="JSONL of problems; default: the bundled set")
-    sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+    sandbox: SandboxSpec = Field(
+        default_factory=SandboxSpec, description="runs the programs; one per distinct spec, shared by the run's envs"
+    )
     max_attempts: int = Field(3, ge=1, description="programs the model may submit per episode")
-    test_timeout_s: float = Field(5.0, gt=0, le=600)
-    memory_mb: int = Field(256, ge=16)
-    max_failures_shown: int = Field(2, ge=1)
+    test_timeout_s: float = Field(5.0, gt=0, le=600, description="wall-clock limit of one program run on one test (seconds)")
+    memory_mb: int = Field(256, ge=16, description="memory limit of one program run (MB)")
+    max_failures_shown: int = Field(2, ge=1, description="failing examples detailed in the feedback after an attempt")
     max_shown_chars: int = Field(400, ge=20, description="cap on each of input/expected/got/stderr in feedback")
 
 

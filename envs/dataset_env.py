@@ -42,8 +42,8 @@ class Source(BaseModel):
 
     path: str | None = Field(None, description="local .jsonl/.json/.parquet/.csv file")
     hf_name: str | None = Field(None, description="datasets.load_dataset name (e.g. 'openai/gsm8k')")
-    hf_config: str | None = None
-    hf_split: str = "train"
+    hf_config: str | None = Field(None, description="hf_name only: dataset config/subset (e.g. 'main'); None: the default")
+    hf_split: str = Field("train", description="hf_name only: split of the dataset to read")
 
     @model_validator(mode="after")
     def _one_source(self) -> Source:
@@ -57,16 +57,18 @@ class Source(BaseModel):
 class DatasetConfig(ToolCapableConfig):
     """Config of the `dataset` env."""
 
-    source: Source
+    source: Source = Field(description="rows of the train split (and of test too when test_source is unset)")
     test_source: Source | None = Field(None, description="held-out rows; else a hashed test_fraction")
-    test_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    test_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="without test_source: share of rows hashed by id into test; 0 = no test"
+    )
     columns: dict[str, str] = Field(
         default_factory=lambda: {"question": "question", "answer": "answer"},
         description="task field -> dataset column",
     )
-    id_column: str | None = None
-    prompt_template: str = "{question}"
-    system_prompt: str | None = None
+    id_column: str | None = Field(None, description="column holding the task id; None: a hash of the mapped fields")
+    prompt_template: str = Field("{question}", description="str.format template over `columns` keys: the user message")
+    system_prompt: str | None = Field(None, description="system message of each episode; None: no system message")
     max_tasks: int | None = Field(None, ge=1, description="cap per split (first rows in file order)")
 
     @model_validator(mode="after")

@@ -61,7 +61,7 @@ _TAXI_STOPS = "RGYB"
 class GymTextConfig(EnvConfig):
     """Config of the `gym_text` env."""
 
-    game: Game = "frozenlake"
+    game: Game = Field("frozenlake", description="game to play: frozenlake, taxi or blackjack")
     game_params: dict[str, JSON] = Field(
         default_factory=dict,
         description="extra gymnasium.make kwargs (e.g. is_slippery for frozenlake, natural for blackjack)",
@@ -69,11 +69,15 @@ class GymTextConfig(EnvConfig):
     map_size: int = Field(4, ge=2, le=12, description="frozenlake: side of the random map")
     frozen_prob: float = Field(0.8, gt=0.0, le=1.0, description="frozenlake: probability a tile is frozen")
     max_steps: int = Field(20, ge=1, description="turns before the episode is truncated")
-    invalid_action_penalty: float = Field(0.0, le=0.0)
+    invalid_action_penalty: float = Field(
+        0.0, le=0.0, description="reward (0 or negative) of a turn whose reply names no legal action"
+    )
     max_invalid_actions: int = Field(3, ge=0, description="replies naming no action allowed before truncation")
     seed: int = Field(0, ge=0, description="base of the task seeds")
-    train_size: int = Field(1000, ge=1, le=_SPLIT_OFFSET["test"])
-    test_size: int = Field(100, ge=0, le=_SPLIT_OFFSET["test"])
+    train_size: int = Field(1000, ge=1, le=_SPLIT_OFFSET["test"], description="tasks (= game seeds) in the train split")
+    test_size: int = Field(
+        100, ge=0, le=_SPLIT_OFFSET["test"], description="tasks in the test split (seeds disjoint from train); 0 = none"
+    )
 
 
 class GymTextEnv(Env):

@@ -42,18 +42,24 @@ TOOL_PROMPT = (
 class MathConfig(ToolCapableConfig):
     """Config of the `math` env."""
 
-    mode: Literal["single", "tool"] = "single"
+    mode: Literal["single", "tool"] = Field(
+        "single", description="single: one reply, no tools; tool: adds the sandboxed `python` tool (multi-turn)"
+    )
     dataset: str = Field("basic_arithmetic", description="reasoning-gym generator of the problems")
-    dataset_params: dict[str, JSON] = Field(default_factory=dict)
+    dataset_params: dict[str, JSON] = Field(
+        default_factory=dict, description="keyword arguments of the reasoning-gym dataset's own config"
+    )
     problems_path: str | None = Field(None, description="JSONL with question/answer; replaces `dataset`")
     test_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="problems_path only: hashed held-out share")
-    seed: int = 0
-    train_size: int = Field(1000, ge=1)
-    test_size: int = Field(100, ge=0)
+    seed: int = Field(0, description="reasoning-gym generator seed; ignored with problems_path")
+    train_size: int = Field(1000, ge=1, description="generated train problems; ignored with problems_path")
+    test_size: int = Field(
+        100, ge=0, description="generated test problems (less repeats of train); 0 = none; ignored with problems_path"
+    )
     system_prompt: str | None = Field(None, description="default: a prompt matching `mode`")
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec, description="runs the python tool")
     python_timeout_s: float = Field(5.0, gt=0, le=600, description="wall limit of one python run")
-    python_memory_mb: int = Field(256, ge=16)
+    python_memory_mb: int = Field(256, ge=16, description="memory limit of one python run (MB)")
 
     @model_validator(mode="after")
     def _tools_match_mode(self) -> MathConfig:

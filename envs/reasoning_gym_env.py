@@ -33,10 +33,16 @@ class ReasoningGymConfig(EnvConfig):
         default_factory=dict, description="keyword arguments of the dataset's own config"
     )
     seed: int = Field(0, description="generator seed; same seed -> same tasks")
-    train_size: int = Field(1000, ge=1)
-    test_size: int = Field(100, ge=0)
+    train_size: int = Field(1000, ge=1, description="train tasks: the generator's first train_size items")
+    test_size: int = Field(
+        100, ge=0, description="items after train for test, less any whose question is in train; 0 = none"
+    )
     system_prompt: str | None = Field(default=DEFAULT_SYSTEM_PROMPT, description="None: no system message")
-    answer_tag: str = Field(default="answer", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+    answer_tag: str = Field(
+        default="answer",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$",
+        description="tag the answer is read from (answer -> <answer>...</answer>); the prompt is not changed",
+    )
 
     @field_validator("dataset")
     @classmethod

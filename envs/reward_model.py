@@ -33,15 +33,17 @@ class RewardModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(..., description="local directory (or hub id where reachable) of the reward model")
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1, description="most conversations scored in one forward pass")
     max_wait_ms: float = Field(5.0, ge=0.0, description="how long a partial batch waits for company")
     max_length: int = Field(2048, ge=8, description="tokens per conversation; longer ones are cut on the left")
-    device: str = "cpu"
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    device: str = Field("cpu", description="torch device of the reward model, e.g. cpu, cuda, cuda:1")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "fp32", description="weight dtype when loading; auto: the checkpoint's own"
+    )
     label_index: int = Field(0, ge=0, description="which output logit is the reward")
     transform: Literal["none", "sigmoid", "tanh"] = Field("none", description="applied to the logit")
-    scale: float = 1.0
-    offset: float = 0.0
+    scale: float = Field(1.0, description="reward = scale * transform(logit) + offset")
+    offset: float = Field(0.0, description="added after scale: reward = scale * transform(logit) + offset")
     template: Literal["auto", "chat", "plain"] = Field(
         "auto", description="chat: tokenizer's chat template; plain: 'role: content' lines; auto: chat if present"
     )

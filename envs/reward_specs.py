@@ -26,8 +26,8 @@ class RewardSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(..., min_length=1, description="a registered agentrl.rewards plugin")
-    weight: float = 1.0
-    params: dict[str, JSON] = Field(default_factory=dict)
+    weight: float = Field(1.0, description="multiplier of this reward in the weighted sum")
+    params: dict[str, JSON] = Field(default_factory=dict, description="options of that reward plugin (its Config)")
 
 
 class FunctionReward:

@@ -223,9 +223,17 @@ class LimitConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_concurrency: int = Field(default=4, ge=1)
-    max_queue: int = Field(default=10_000, ge=0)
-    queue_timeout_s: float = Field(default=600.0, gt=0)
+    max_concurrency: int = Field(default=4, ge=1, description="requests run at once (the rest wait)")
+    max_queue: int = Field(
+        default=10_000,
+        ge=0,
+        description="requests that may wait for a slot; more fail with sandbox_error (0: none)",
+    )
+    queue_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a request may wait for a slot before it fails with sandbox_error",
+    )
 
 
 class BaseSandbox:

@@ -49,29 +49,56 @@ class DockerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image: str = "agentrl/python:3.11"
-    #: Daemon address; default: $DOCKER_HOST, else the standard socket.
-    base_url: str | None = None
-    pool_size: int = Field(default=2, ge=1, le=256)
-    max_queue: int = Field(default=10_000, ge=0)
-    queue_timeout_s: float = Field(default=600.0, gt=0)
-    max_uses: int = Field(default=200, ge=1)
+    image: str = Field(
+        "agentrl/python:3.11",
+        description="local image (never pulled; build it with `agentrl sandbox build-image`)",
+    )
+    base_url: str | None = Field(
+        None, description="docker daemon address; default: $DOCKER_HOST, else the standard socket"
+    )
+    pool_size: int = Field(
+        default=2, ge=1, le=256, description="containers in the pool, i.e. requests run at once"
+    )
+    max_queue: int = Field(
+        default=10_000,
+        ge=0,
+        description="requests that may wait for a container; more fail with sandbox_error (0: none)",
+    )
+    queue_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a request may wait for a container before it fails with sandbox_error",
+    )
+    max_uses: int = Field(default=200, ge=1, description="requests a container serves before it is replaced")
     #: Container-wide limits (a request's own memory/CPU/process limits apply inside them).
-    memory_mb: int = Field(default=1024, ge=64)
-    pids_limit: int = Field(default=256, ge=8)
-    cpus: float = Field(default=1.0, gt=0)
-    tmpfs_mb: int = Field(default=256, ge=1)
-    user: str = "65534:65534"
-    python: str = "python3"
-    api_timeout_s: float = Field(default=60.0, gt=0)
-    #: Slack beyond ``wall_timeout_s`` for the exec round trip.
-    backstop_s: float = Field(default=10.0, gt=0)
-    label: str = "org.agentrl.sandbox"
+    memory_mb: int = Field(default=1024, ge=64, description="memory limit of each container in MB (no swap)")
+    pids_limit: int = Field(default=256, ge=8, description="max processes and threads in each container")
+    cpus: float = Field(default=1.0, gt=0, description="CPU cores each container may use (fractions allowed)")
+    tmpfs_mb: int = Field(
+        default=256, ge=1, description="size in MB of each container's /work and /tmp tmpfs"
+    )
+    user: str = Field("65534:65534", description="uid:gid the containers and their execs run as")
+    python: str = Field(
+        "python3", description="interpreter in the image that runs the fork server and Python code"
+    )
+    api_timeout_s: float = Field(default=60.0, gt=0, description="seconds allowed for each docker API call")
+    backstop_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds beyond a request's wall_timeout_s before its container is replaced",
+    )
+    label: str = Field(
+        "org.agentrl.sandbox",
+        description="label key marking our containers (leftovers of dead runs are removed)",
+    )
     #: ``exec``: one ``docker exec timeout -s KILL ... fork-server`` per request (containers idle on
     #: ``sleep``). ``server``: the fork server is each container's PID 1, kept warm and fed through
     #: the attach stream (much faster; the code cannot signal its supervisor; the wall timeout is
     #: the server's own, with the host backstop killing the container).
-    mode: Literal["exec", "server"] = "exec"
+    mode: Literal["exec", "server"] = Field(
+        "exec",
+        description="exec: one docker exec per request; server: a warm fork server per container (faster)",
+    )
 
 
 class _Stream:

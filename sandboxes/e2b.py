@@ -126,21 +126,44 @@ class E2BConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    template: str | None = None
-    api_key: str | None = None
-    #: Talk to a local code-interpreter-protocol server (no control plane, no key).
-    debug: bool = False
-    #: Where that server is (debug mode); default: the SDK's localhost:49999.
-    sandbox_url: str | None = None
-    pool_size: int = Field(default=2, ge=1, le=256)
-    max_queue: int = Field(default=10_000, ge=0)
-    queue_timeout_s: float = Field(default=600.0, gt=0)
-    #: Lifetime of each e2b sandbox (seconds); the pool replaces expired ones.
-    sandbox_timeout_s: int = Field(default=600, ge=10)
-    request_timeout_s: float = Field(default=30.0, gt=0)
-    #: Slack beyond ``wall_timeout_s`` for the round trip.
-    slack_s: float = Field(default=10.0, gt=0)
-    max_uses: int = Field(default=500, ge=1)
+    template: str | None = Field(
+        None, description="e2b template name or id; default: the SDK's code-interpreter one"
+    )
+    api_key: str | None = Field(None, description="e2b API key; default: $E2B_API_KEY")
+    debug: bool = Field(
+        False,
+        description="talk to a local code-interpreter server, not the e2b cloud (no key); false: $E2B_DEBUG",
+    )
+    sandbox_url: str | None = Field(
+        None, description="URL of the code-interpreter server; default: $E2B_SANDBOX_URL, else the SDK's own"
+    )
+    pool_size: int = Field(
+        default=2, ge=1, le=256, description="e2b sandboxes in the pool, i.e. requests run at once"
+    )
+    max_queue: int = Field(
+        default=10_000,
+        ge=0,
+        description="requests that may wait for a sandbox; more fail with sandbox_error (0: none)",
+    )
+    queue_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a request may wait for a sandbox before it fails with sandbox_error",
+    )
+    sandbox_timeout_s: int = Field(
+        default=600,
+        ge=10,
+        description="seconds each e2b sandbox lives; an expired one fails its next request and is replaced",
+    )
+    request_timeout_s: float = Field(
+        default=30.0, gt=0, description="seconds allowed for each e2b API request"
+    )
+    slack_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds beyond a request's wall_timeout_s for the run_code round trip",
+    )
+    max_uses: int = Field(default=500, ge=1, description="requests a sandbox serves before it is replaced")
 
 
 def runner_code(request: ExecRequest) -> str:

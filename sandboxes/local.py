@@ -65,27 +65,64 @@ class LocalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["pool", "fresh"] = "pool"
-    pool_size: int = Field(default=2, ge=1, le=256)
-    max_queue: int = Field(default=10_000, ge=0)
-    queue_timeout_s: float = Field(default=600.0, gt=0)
-    #: Replace a worker after this many requests (bounds any slow leak in the server).
-    max_uses: int = Field(default=10_000, ge=1)
-    unsafe_local: bool = False
-    allow_network: bool = False
-    bwrap: str = "bwrap"
-    python: str = "/usr/bin/python3"
-    uid: int = 65534
-    gid: int = 65534
-    #: Extra host paths bound read-only at the same place (e.g. a venv for user code).
-    ro_binds: list[str] = Field(default_factory=list)
-    tmpfs_mb: int = Field(default=256, ge=1)
-    cgroups: Literal["auto", "off"] = "auto"
-    #: Memory the fork server itself may use on top of a request's ``memory_mb``.
-    server_overhead_mb: int = Field(default=64, ge=0)
-    startup_timeout_s: float = Field(default=15.0, gt=0)
-    #: Slack beyond ``wall_timeout_s`` before the host kills an unresponsive worker.
-    backstop_s: float = Field(default=5.0, gt=0)
+    mode: Literal["pool", "fresh"] = Field(
+        "pool",
+        description="pool: warm fork-server workers, reused; fresh: one new bwrap per request (slower)",
+    )
+    pool_size: int = Field(
+        default=2, ge=1, le=256, description="requests run at once (warm workers in pool mode)"
+    )
+    max_queue: int = Field(
+        default=10_000,
+        ge=0,
+        description="requests that may wait for a worker; more fail with sandbox_error (0: none)",
+    )
+    queue_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a request may wait for a worker before it fails with sandbox_error",
+    )
+    max_uses: int = Field(
+        default=10_000, ge=1, description="requests a worker serves before it is replaced (bounds slow leaks)"
+    )
+    unsafe_local: bool = Field(
+        False,
+        description="run code on the host without bubblewrap, with rlimits only (no isolation: dangerous)",
+    )
+    allow_network: bool = Field(
+        False,
+        description="run requests with network: true (each in a fresh bwrap); false: they get sandbox_error",
+    )
+    bwrap: str = Field("bwrap", description="bubblewrap executable (name on PATH or path)")
+    python: str = Field(
+        "/usr/bin/python3",
+        description="interpreter of the fork server and Python code (in bwrap: under /usr or in ro_binds)",
+    )
+    uid: int = Field(65534, description="uid of the code inside bwrap (and on the host when run as root)")
+    gid: int = Field(65534, description="gid of the code inside bwrap (and on the host when run as root)")
+    ro_binds: list[str] = Field(
+        default_factory=list, description="extra host paths bound read-only at the same place (e.g. a venv)"
+    )
+    tmpfs_mb: int = Field(
+        default=256, ge=1, description="size in MB of each tmpfs in bwrap (/work, /tmp, /dev/shm)"
+    )
+    cgroups: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: a memory and pids cgroup per worker where writable; off: none (rlimits only)",
+    )
+    server_overhead_mb: int = Field(
+        default=64,
+        ge=0,
+        description="MB the fork server may use on top of a request's memory_mb (cgroup limit)",
+    )
+    startup_timeout_s: float = Field(
+        default=15.0, gt=0, description="seconds a new worker may take to start before it counts as failed"
+    )
+    backstop_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="seconds beyond a request's wall_timeout_s before a silent worker is killed",
+    )
 
 
 class Cgroups:

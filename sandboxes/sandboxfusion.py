@@ -22,13 +22,28 @@ class SandboxFusionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str = "http://localhost:8080"
-    max_concurrency: int = Field(default=16, ge=1)
-    max_queue: int = Field(default=10_000, ge=0)
-    queue_timeout_s: float = Field(default=600.0, gt=0)
-    #: Slack beyond ``wall_timeout_s`` for the HTTP round trip.
-    slack_s: float = Field(default=10.0, gt=0)
-    headers: dict[str, str] = Field(default_factory=dict)
+    url: str = Field(
+        "http://localhost:8080", description="base URL of the SandboxFusion service (POST {url}/run_code)"
+    )
+    max_concurrency: int = Field(
+        default=16, ge=1, description="requests in flight at once (also the HTTP pool size)"
+    )
+    max_queue: int = Field(
+        default=10_000,
+        ge=0,
+        description="requests that may wait for a slot; more fail with sandbox_error (0: none)",
+    )
+    queue_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a request may wait for a slot before it fails with sandbox_error",
+    )
+    slack_s: float = Field(
+        default=10.0, gt=0, description="seconds beyond a request's wall_timeout_s for the HTTP round trip"
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict, description="extra HTTP headers sent with every request"
+    )
 
 
 def to_body(request: ExecRequest) -> dict[str, Any]:

@@ -27,9 +27,21 @@ class KLConfig(_Section):
     """KL to a frozen reference policy. `coef=0` (the default) disables it and the
     reference model is never loaded."""
 
-    coef: float = Field(0.0, ge=0.0)
-    estimator: KLEstimator = "k3"
-    in_reward: bool = False  # True: subtract coef*KL from per-token rewards instead of adding a loss term
+    coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="weight of the KL penalty; 0 disables KL and the reference model is never loaded",
+    )
+    estimator: KLEstimator = Field(
+        "k3",
+        description="per-token KL estimator (Schulman): k1 = log(pi/ref), k2 = 0.5*log(pi/ref)^2, "
+        "k3 = ref/pi - 1 - log(ref/pi)",
+    )
+    in_reward: bool = Field(
+        False,
+        description="subtract coef*KL(behaviour || ref) from token rewards "
+        "(group estimators: episode return) instead of a KL loss term",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -44,14 +56,33 @@ class OffPolicyConfig(_Section):
     - mis_token: token weight pi_prox/pi_behav, zeroed outside [mis_low, mis_high].
     - mis_seq: per-sequence geometric-mean weight, whole sequence zeroed outside the bounds.
     - decoupled: AReaL decoupled PPO, clip around pi_prox, weight pi_prox/pi_behav
-      (capped at `decoupled_cap` when set).
+      (zeroed above `decoupled_cap` when set).
     """
 
-    mode: OffPolicyMode = "none"
-    tis_cap: float = Field(2.0, gt=0.0)
-    mis_low: float = Field(0.5, ge=0.0)
-    mis_high: float = Field(2.0, gt=0.0)
-    decoupled_cap: float | None = Field(None, gt=0.0)
+    mode: OffPolicyMode = Field(
+        "none",
+        description="none: PPO ratio vs behaviour logprobs, weight 1; else ratio vs proximal logprobs, "
+        "weight prox/behav truncated (tis), masked (mis_token/mis_seq) or AReaL (decoupled)",
+    )
+    tis_cap: float = Field(
+        2.0, gt=0.0, description="tis: cap of the truncated importance weight min(prox/behav, cap)"
+    )
+    mis_low: float = Field(
+        0.5,
+        ge=0.0,
+        description="mis_token/mis_seq: token (or sequence geo-mean) weights below this are zeroed "
+        "(must be < mis_high)",
+    )
+    mis_high: float = Field(
+        2.0,
+        gt=0.0,
+        description="mis_token/mis_seq: token (or sequence geo-mean) weights above this are zeroed",
+    )
+    decoupled_cap: float | None = Field(
+        None,
+        gt=0.0,
+        description="decoupled: tokens whose weight prox/behav exceeds this get weight 0; None = no cap",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> OffPolicyConfig:
@@ -65,77 +96,188 @@ class OffPolicyConfig(_Section):
 class LoRAConfig(_Section):
     """LoRA adapters via peft; the reference policy is then the base with adapters off."""
 
-    r: int = Field(16, ge=1)
-    alpha: float = Field(32.0, gt=0.0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    r: int = Field(16, ge=1, description="LoRA rank of the adapter matrices")
+    alpha: float = Field(
+        32.0, gt=0.0, description="LoRA alpha: the adapter update B@A is scaled by alpha / r"
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on the LoRA branch's input")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="linear modules that get adapters (peft target_modules; default: attention + MLP)",
     )
 
 
 class CriticConfig(_Section):
     """The PPO value model: a copy of a causal LM backbone plus a scalar head."""
 
-    model_path: str | None = None  # None: start from the policy's weights
-    lr: float = Field(1e-5, gt=0.0)
-    value_clip: float | None = Field(0.2, gt=0.0)
-    max_grad_norm: float | None = Field(1.0, gt=0.0)
-    lam: float = Field(0.95, ge=0.0, le=1.0)
+    model_path: str | None = Field(
+        None, description="model to initialise the value backbone from; None = the policy's initial weights"
+    )
+    lr: float = Field(
+        1e-5, gt=0.0, description="AdamW learning rate of the critic (constant, no LR schedule)"
+    )
+    value_clip: float | None = Field(
+        0.2,
+        gt=0.0,
+        description="clip the new value to old value +- this in the PPO value loss; None = unclipped",
+    )
+    max_grad_norm: float | None = Field(
+        1.0, gt=0.0, description="clip the critic's global gradient norm to this; None = no clipping"
+    )
+    lam: float = Field(
+        0.95, ge=0.0, le=1.0, description="GAE lambda (1 = Monte-Carlo returns, 0 = one-step TD)"
+    )
 
 
 class TrainerConfig(_Section):
     """Configuration of `TorchTrainer` (plugin name `torch`)."""
 
     # algorithm
-    advantage: AdvantageName = "grpo"
-    gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount over turns / tokens (returns, GAE)
-    adv_eps: float = Field(1e-6, gt=0.0)  # added to std when normalising
-    loss_agg: LossAgg = "token_mean"
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_high: float = Field(0.28, ge=0.0)
-    dual_clip: float | None = Field(None, gt=1.0)  # Ye et al. dual clip bound c for negative advantages
-    kl: KLConfig = Field(default_factory=KLConfig)
-    entropy_coef: float = 0.0
-    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
-    temperature: float = Field(1.0, gt=0.0)  # the engines' sampling temperature; logits are divided by it
-    critic: CriticConfig | None = None
+    advantage: AdvantageName = Field(
+        "grpo",
+        description="estimator: grpo (group z-score), dr_grpo (group mean-centred), rloo (leave-one-out), "
+        "reinforce_pp (batch-whitened returns), gae (critic)",
+    )
+    gamma: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="discount factor: per turn for grpo/dr_grpo/rloo, per sampled token for reinforce_pp/gae",
+    )
+    adv_eps: float = Field(
+        1e-6,
+        gt=0.0,
+        description="added to the std when normalising advantages (grpo group std, batch whitening)",
+    )
+    loss_agg: LossAgg = Field(
+        "token_mean",
+        description="token_mean: mean over the batch's loss tokens; seq_mean_token_mean: mean of "
+        "per-sequence token means; seq_mean_token_sum: mean of per-sequence token sums (Dr. GRPO)",
+    )
+    clip_low: float = Field(
+        0.2, ge=0.0, lt=1.0, description="PPO ratio clip range below 1: the ratio is clipped at 1 - clip_low"
+    )
+    clip_high: float = Field(
+        0.28,
+        ge=0.0,
+        description="PPO ratio clip range above 1: clipped at 1 + clip_high "
+        "(clip-higher/DAPO when > clip_low)",
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1.0,
+        description="dual-clip bound c (Ye et al.): for A < 0 the token loss is capped at -c*A; None = off",
+    )
+    kl: KLConfig = Field(
+        default_factory=KLConfig,
+        description="KL penalty to a frozen reference policy (off while kl.coef = 0)",
+    )
+    entropy_coef: float = Field(
+        0.0, description="weight of the entropy bonus: loss -= coef * H, aggregated like the loss; 0 = off"
+    )
+    off_policy: OffPolicyConfig = Field(
+        default_factory=OffPolicyConfig,
+        description="importance-weight correction for the behaviour (engine) vs trainer policy mismatch",
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="the engines' sampling temperature: logits are divided by it before logprobs and entropy",
+    )
+    critic: CriticConfig | None = Field(
+        None, description="PPO value model; required by advantage=gae and unused by the other estimators"
+    )
 
     # optimisation
-    lr: float = Field(1e-6, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    schedule: Schedule = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    total_steps: int | None = Field(None, ge=1)  # required by linear/cosine
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    max_grad_norm: float | None = Field(1.0, gt=0.0)
-    epochs: int = Field(1, ge=1)  # passes over each batch
-    mini_batches: int = Field(1, ge=1)  # optimizer steps per pass
+    lr: float = Field(1e-6, gt=0.0, description="peak AdamW learning rate of the policy")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW (decoupled) weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2)")
+    schedule: Schedule = Field(
+        "constant",
+        description="LR after warmup: constant, or linear/cosine decay to min_lr_ratio*lr at total_steps",
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="linear LR warmup over the first N trainer steps (train_step/sft_step calls); 0 = none",
+    )
+    total_steps: int | None = Field(
+        None,
+        ge=1,
+        description="trainer step (warmup included) where linear/cosine decay ends; required by them",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="final LR of linear/cosine decay as a fraction of lr"
+    )
+    max_grad_norm: float | None = Field(
+        1.0, gt=0.0, description="clip the policy's global gradient norm to this; None = no clipping"
+    )
+    epochs: int = Field(
+        1, ge=1, description="passes over each batch; >1 (or mini_batches > 1) adds a proximal-logprob pass"
+    )
+    mini_batches: int = Field(
+        1, ge=1, description="optimizer steps per pass: the batch's samples are split into this many parts"
+    )
 
     # efficiency
-    micro_batch_tokens: int = Field(4096, ge=16)  # token budget of one packed forward/backward
-    pad_to_multiple_of: int = Field(1, ge=1)  # pad each packed row (e.g. for sequence-parallel splits)
-    logprob_chunk_tokens: int = Field(1024, ge=1)  # rows of logits alive at once
-    # bf16: autocast where the device has native bf16 (CUDA; CPUs with AVX512-BF16/AMX), else fp32.
-    # Master weights and the lm_head/logprobs stay fp32 either way.
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    # packed_sdpa: one causal SDPA per packed sequence (cost sum len^2, no mask); sdpa/eager: HF's
-    # block-diagonal mask from the position ids (cost T^2 per row); flash_attention_2: varlen kernel (GPU)
-    attention: Literal["packed_sdpa", "sdpa", "eager", "flash_attention_2"] = "packed_sdpa"
-    gradient_checkpointing: bool = False
-    # GRPO groups share their prompt: run each group's common loss-free prefix once and let the
-    # samples' suffixes attend to its KV (exact logprobs and gradients, far fewer tokens when
-    # prompts dominate). Needs attention=packed_sdpa and sequence_parallel_size=1.
-    shared_prefix: bool = False
-    shared_prefix_min_tokens: int = Field(16, ge=1)  # shorter common prefixes are not worth a family
-    lora: LoRAConfig | None = None
-    sequence_parallel_size: int = Field(1, ge=1)
-    weight_bucket_mb: float = Field(256.0, gt=0.0)
-    # per-token trainer logprobs, advantages and importance weights into each trajectory's
-    # info["token_stats"] for the replay token view (about triples a stored trajectory's size)
-    record_token_stats: bool = True
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=16,
+        description="token budget of one packed row (one forward/backward); "
+        "a longer sequence gets a row of its own",
+    )
+    pad_to_multiple_of: int = Field(
+        1, ge=1, description="pad each packed row's length up to a multiple of this; 1 = no padding"
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="token positions whose logits (N x vocab) are materialised at once, checkpointed",
+    )
+    # with bf16 or fp32, master weights and the lm_head/logprobs stay fp32
+    dtype: Literal["bf16", "fp32"] = Field(
+        "bf16",
+        description="bf16: autocast where the device has native bf16 "
+        "(CUDA; CPU with AVX512-BF16/AMX), else fp32",
+    )
+    attention: Literal["packed_sdpa", "sdpa", "eager", "flash_attention_2"] = Field(
+        "packed_sdpa",
+        description="packed_sdpa: one causal SDPA per packed sequence (cost sum len^2); sdpa/eager: HF "
+        "block-diagonal mask (T^2 per row); flash_attention_2: varlen kernel (GPU)",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="HF activation checkpointing of the policy: less memory, forward recomputed in backward",
+    )
+    shared_prefix: bool = Field(
+        False,
+        description="run each group's common loss-free prompt prefix once, suffixes attend to its KV "
+        "(exact); needs packed_sdpa and sequence_parallel_size=1",
+    )
+    shared_prefix_min_tokens: int = Field(
+        16, ge=1, description="groups whose common prefix is shorter than this many tokens run per sample"
+    )
+    lora: LoRAConfig | None = Field(
+        None, description="train LoRA adapters instead of all weights; None = full fine-tuning"
+    )
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks that split each packed row with ring attention (world size a multiple of it); "
+        "1 = off, >1 not with gae",
+    )
+    weight_bucket_mb: float = Field(
+        256.0, gt=0.0, description="max size in MiB of one bucket of weights sent to the engines"
+    )
+    record_token_stats: bool = Field(
+        True,
+        description="store per-token trainer logprobs, advantages, IS weights in info['token_stats'] "
+        "for replay (~3x trajectory size)",
+    )
 
-    seed: int = 0
+    seed: int = Field(
+        0, description="seed of the python, numpy and torch RNGs, set when the trainer is built"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:

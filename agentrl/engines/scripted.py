@@ -47,13 +47,17 @@ class Distribution(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["fixed", "uniform", "lognormal"] = "fixed"
+    kind: Literal["fixed", "uniform", "lognormal"] = Field(
+        default="fixed", description="fixed (value), uniform (low, high) or lognormal (median, sigma, cap)"
+    )
     value: float = Field(default=0.0, ge=0.0, description="the value of a fixed distribution")
-    low: float = Field(default=0.0, ge=0.0)
-    high: float = Field(default=0.0, ge=0.0)
-    median: float = Field(default=1.0, gt=0.0)
-    sigma: float = Field(default=1.0, ge=0.0)
-    cap: float = Field(default=0.0, ge=0.0)
+    low: float = Field(default=0.0, ge=0.0, description="lower bound of a uniform distribution")
+    high: float = Field(default=0.0, ge=0.0, description="upper bound of a uniform distribution (>= low)")
+    median: float = Field(default=1.0, gt=0.0, description="median of a lognormal distribution")
+    sigma: float = Field(
+        default=1.0, ge=0.0, description="std of the log of a lognormal distribution; larger = longer tail"
+    )
+    cap: float = Field(default=0.0, ge=0.0, description="upper bound on lognormal samples; 0 = no cap")
 
     def sample(self, rng: random.Random) -> float:
         if self.kind == "fixed":
@@ -76,7 +80,11 @@ class ScriptedEngine:
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
-        replies: list[str] = Field(default_factory=lambda: ["OK."], min_length=1)
+        replies: list[str] = Field(
+            default_factory=lambda: ["OK."],
+            min_length=1,
+            description="reply texts, used in order and cycled (a reply_fn passed in code replaces them)",
+        )
         length: Distribution | None = Field(
             default=None, description="if set, each reply is padded with filler_id / cut to a sampled token count"
         )
@@ -87,8 +95,10 @@ class ScriptedEngine:
         max_concurrency: int = Field(default=0, ge=0, description="generation slots; 0 = unlimited")
         logprob: float = Field(default=-1.0, le=0.0, description="logprob reported for every sampled token")
         error_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="fraction of generate calls that raise")
-        update_latency_s: float = Field(default=0.0, ge=0.0)
-        seed: int = 0
+        update_latency_s: float = Field(
+            default=0.0, ge=0.0, description="seconds each update_weights call sleeps (a simulated copy)"
+        )
+        seed: int = Field(default=0, description="seed of the sampled lengths, latencies and errors")
 
     def __init__(
         self,

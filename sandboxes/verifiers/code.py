@@ -60,13 +60,21 @@ class CodeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    #: Sandbox backend spec: {"name": "local" | "docker" | "e2b" | "sandboxfusion", <its params>}.
-    sandbox: dict[str, Any] = Field(default_factory=lambda: {"name": "local"})
-    language: str = "python"
-    timeout_s: float = Field(default=5.0, gt=0)
-    memory_mb: int = Field(default=512, ge=16)
-    max_output_bytes: int = Field(default=1 << 16, ge=1)
-    partial_credit: bool = True
+    sandbox: dict[str, Any] = Field(
+        default_factory=lambda: {"name": "local"},
+        description="sandbox spec: {name: local|docker|e2b|sandboxfusion, <its params>}",
+    )
+    language: str = Field(
+        default="python", description="language of the solution unless the task sets `language`"
+    )
+    timeout_s: float = Field(
+        default=5.0, gt=0, description="wall-clock limit of one test run (seconds); a task's `timeout_s` overrides it"
+    )
+    memory_mb: int = Field(default=512, ge=16, description="memory limit of one test run (MB)")
+    max_output_bytes: int = Field(default=1 << 16, ge=1, description="output kept from one test run (bytes)")
+    partial_credit: bool = Field(
+        default=True, description="reward = fraction of tests passed; false: 1 only when all pass, else 0"
+    )
 
 
 class CodeVerifier:

@@ -134,11 +134,15 @@ class MathConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    answer_key: str = "answer"
-    timeout_s: float = Field(default=10.0, gt=0)
-    workers: int = Field(default=1, ge=1, le=64)
-    #: Score for a correct answer given only as a bare last number (no boxed / answer:).
-    unformatted_credit: float = Field(default=1.0, ge=0, le=1)
+    answer_key: str = Field(default="answer", description="task key holding the gold answer")
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="deadline of one equivalence check in a worker process (seconds); overrun scores 0"
+    )
+    workers: int = Field(default=1, ge=1, le=64, description="worker processes that run equivalence checks")
+    unformatted_credit: float = Field(
+        default=1.0, ge=0, le=1,
+        description="score of a correct answer given only as a bare last number (no \\boxed{} or 'Answer:')",
+    )
 
 
 class MathVerifier:

@@ -83,8 +83,29 @@ def test_defaults_are_filled_in_everywhere(plugins: Plugins) -> None:
     assert config.engine.params == {"replies": ["ok"], "latency_s": 0.0}
     assert config.trainer.name == "torch"
     assert config.trainer.params["advantage"] == "grpo"  # TrainerConfig defaults
-    assert config.sandbox is None and config.reward is None
     assert config.registry() is plugins
+
+
+def test_keys_that_would_do_nothing_are_errors(plugins: Plugins) -> None:
+    """No silent no-ops: a run-level sandbox or reward, or an engine model other than the policy."""
+    msg = error_of(plugins, {**BASE, "sandbox": {"name": "docker"}})
+    assert msg.startswith("sandbox: not a run-level section;") and "env.sandbox" in msg
+    assert error_of(plugins, {**BASE, "reward": "math"}).startswith("reward: not a run-level section;")
+    plugins.engines.add("model_engine", ModelEngine, source="test")
+    raw = {"env": "echo", "engine": {"name": "model_engine", "model": "other/model"}}
+    assert error_of(plugins, raw, "model.path=/m") == (
+        "engine.model: got 'other/model', but the engine serves the policy the trainer trains, "
+        "model.path='/m'; set model.path instead"
+    )
+    config = resolve(plugins, raw, "model.path=other/model")  # the same model, said twice, is fine
+    assert config.engine.params["model"] == "other/model"
+
+
+def test_configs_written_by_earlier_versions_still_load(plugins: Plugins) -> None:
+    """Their run's config.yaml held `sandbox: null`, `reward: null`, `rollout.reward_timeout_s: 60.0`."""
+    old = {**BASE, "sandbox": None, "reward": None, "rollout": {"reward_timeout_s": 60.0, "group_size": 4}}
+    assert resolve(plugins, old).rollout.group_size == 4
+    assert "rollout.reward_timeout_s: unknown key" in error_of(plugins, BASE, "rollout.reward_timeout_s=5")
 
 
 def test_overrides_parse_yaml_scalars_and_nest(plugins: Plugins) -> None:
@@ -249,8 +270,8 @@ def test_engine_model_and_dtype_follow_the_model_section(plugins: Plugins) -> No
     raw = {"env": {"name": "echo"}, "engine": {"name": "model_engine"}, "model": {"path": "/models/x", "dtype": "bf16"}}
     config = resolve(plugins, raw)
     assert config.engine.params == {"model": "/models/x", "dtype": "bf16"}
-    config = resolve(plugins, raw, "engine.model=/models/other")  # explicit engine params win
-    assert config.engine.params == {"model": "/models/other", "dtype": "bf16"}
+    config = resolve(plugins, raw, "engine.dtype=fp32")  # explicit engine params win
+    assert config.engine.params == {"model": "/models/x", "dtype": "fp32"}
     assert "model" not in resolve(plugins, BASE).engine.params  # engines without the field get nothing
 
 

@@ -1,13 +1,16 @@
-"""Run wiring: the probe env that lists tasks is closed with the run, even if the engine fails to close."""
+"""Run wiring: the probe env is closed with the run even if the engine fails to close; run.seed seeds rollouts."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from agentrl.chat import SimpleChatTokenizer
+from agentrl.config import RunConfig, resolve_config
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.testing_envs import TrivialEnv
-from agentrl.wiring import EvalParts
+from agentrl.wiring import EvalParts, Parts, rollout_manager
 
 
 class ClosingEnv(TrivialEnv):
@@ -35,3 +38,24 @@ async def test_closing_the_parts_closes_the_probe_env() -> None:
     with pytest.raises(RuntimeError, match="engine close failed"):
         await broken.close()
     assert probe.closed == 2
+
+
+async def _seeds(config: RunConfig) -> list[int | None]:
+    tokenizer = SimpleChatTokenizer()
+    parts = Parts(TrivialEnv, TrivialEnv(), [], [], ScriptedEngine(tokenizer=tokenizer), tokenizer,
+                  trainer=SimpleNamespace(policy_version=0))
+    tasks = [{"id": f"t{i}", "prompt": "go"} for i in range(2)]
+    async with rollout_manager(config, parts, tasks) as manager:
+        return [t.seed async for group in manager.groups() for t in group.trajectories]
+
+
+async def test_run_seed_seeds_the_episodes() -> None:
+    """`run.seed` reaches the rollouts: another seed samples other episodes, the same seed the same."""
+    def config(seed: int) -> RunConfig:
+        return resolve_config({"env": "agentrl.testing_envs:TrivialEnv", "engine": "scripted", "run": {"seed": seed},
+                               "rollout": {"group_size": 2, "groups_per_step": 1, "max_staleness": 9}})
+
+    first, again, other = await _seeds(config(0)), await _seeds(config(0)), await _seeds(config(7))
+    assert len(first) == 4 and len(set(first)) == 4
+    assert sorted(first) == sorted(again)  # type: ignore[type-var]
+    assert not set(first) & set(other)

@@ -86,3 +86,17 @@ async def test_unknown_problem_and_bad_config() -> None:
         await CodeEnv().reset({"id": "nope"})
     with pytest.raises(ValidationError, match="max_attempts"):
         CodeEnv.Config(max_attempts=0)
+
+
+def test_a_bad_sandbox_spec_fails_when_the_env_is_built_not_in_every_episode() -> None:
+    """The run's registry checks the sandbox name and params up front (code and math envs share the spec)."""
+    from agentrl.errors import ConfigError
+    from agentrl.registry import Plugins
+
+    plugins = Plugins.discover()
+    with pytest.raises(ConfigError, match=r"env\.sandbox: .*params\.pool_sise: unknown key; did you mean 'pool_size'"):
+        plugins.create_env("code", {"sandbox": {"name": "local", "params": {"pool_sise": 2}}})
+    with pytest.raises(ConfigError, match=r"env\.sandbox: .*name: unknown sandbox 'lokal'; did you mean 'local'"):
+        plugins.create_env("math", {"sandbox": {"name": "lokal"}})
+    env = plugins.create_env("code", {"sandbox": {"name": "local", "params": {"pool_size": 2}}})
+    assert isinstance(env, CodeEnv) and env.config.sandbox.params == {"pool_size": 2}
