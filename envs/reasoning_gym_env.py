@@ -14,15 +14,21 @@ import json
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
 from agentrl.types import JSON, Message
 
-DEFAULT_SYSTEM_PROMPT = (
-    "Think step by step, then give only the final answer inside <answer></answer> tags, "
-    "for example <answer>42</answer>."
-)
+
+def default_system_prompt(tag: str = "answer") -> str:
+    """The default instructions, asking for the answer inside <tag></tag>."""
+    return (
+        f"Think step by step, then give only the final answer inside <{tag}></{tag}> tags, "
+        f"for example <{tag}>42</{tag}>."
+    )
+
+
+DEFAULT_SYSTEM_PROMPT = default_system_prompt()
 
 
 class ReasoningGymConfig(EnvConfig):
@@ -37,12 +43,21 @@ class ReasoningGymConfig(EnvConfig):
     test_size: int = Field(
         100, ge=0, description="items after train for test, less any whose question is in train; 0 = none"
     )
-    system_prompt: str | None = Field(default=DEFAULT_SYSTEM_PROMPT, description="None: no system message")
+    system_prompt: str | None = Field(
+        default=DEFAULT_SYSTEM_PROMPT, description="None: no system message; the default asks for answer_tag"
+    )
     answer_tag: str = Field(
         default="answer",
         pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$",
-        description="tag the answer is read from (answer -> <answer>...</answer>); the prompt is not changed",
+        description="tag the answer is read from (answer -> <answer>...</answer>)",
     )
+
+    @model_validator(mode="after")
+    def _prompt_asks_for_the_tag(self) -> ReasoningGymConfig:
+        """With the default prompt, another answer_tag must change what the prompt asks for too."""
+        if "system_prompt" not in self.model_fields_set:
+            self.system_prompt = default_system_prompt(self.answer_tag)
+        return self
 
     @field_validator("dataset")
     @classmethod

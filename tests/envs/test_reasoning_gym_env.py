@@ -65,3 +65,14 @@ def test_bad_config_names_the_key() -> None:
         make(bogus=1)
     with pytest.raises(ValueError, match="dataset_params for 'basic_arithmetic'"):
         list(make(dataset_params={"nope": 1}).tasks())
+
+
+async def test_the_default_prompt_asks_for_the_configured_tag() -> None:
+    env = make(train_size=5, test_size=0, answer_tag="final")
+    task = next(iter(env.tasks()))
+    messages, _ = await env.reset(task)
+    assert "<final>" in messages[0].content and "<answer>" not in messages[0].content
+    right = await env.step(Message(role="assistant", content=f"<final>{task['answer']}</final>"))
+    assert right.reward == 1.0
+    own = make(train_size=5, test_size=0, answer_tag="final", system_prompt="Answer in <final>.")
+    assert (await own.reset(task))[0][0].content == "Answer in <final>."  # a prompt of one's own is kept
