@@ -30,9 +30,10 @@ T = TypeVar("T")
 async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
     """Train per `config` (or continue the run at `resume`); returns the run directory."""
     began = time.monotonic()  # `time/wall_s`: wall clock of this process, model loading included
-    run = RunDir.existing(resume) if resume else RunDir.create(Path(config.run.output_dir), config.run.name)
+    existing = RunDir.existing(resume) if resume else None  # a bad --resume fails before the model loads
+    parts = build_parts(config)  # a model that cannot be had fails before a run directory is made
+    run = existing or RunDir.create(Path(config.run.output_dir), config.run.name)
     run.config_path.write_text(dump_config(config))
-    parts = build_parts(config)
     store = TrajectoryStore(run.store_path)
     store.set_run_config(config.model_dump(mode="json"))
     log = MetricsLog(run.path, loggers=config.run.loggers, project="agentrl", name=run.path.name,

@@ -17,8 +17,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentrl.errors import AgentrlError
 
-class ModelNotAvailable(RuntimeError):
+
+class ModelNotAvailable(AgentrlError, RuntimeError):
     """The model cannot be had here; the message says why and what to do."""
 
 

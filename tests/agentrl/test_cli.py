@@ -158,6 +158,17 @@ def test_train_validates_before_starting(tmp_path: Path, plugin_module: str) -> 
     assert out.strip() == "error: run.steps: got 0; Input should be greater than or equal to 1"
 
 
+def test_train_with_a_model_that_cannot_be_had_is_one_line_and_leaves_no_run(
+    tmp_path: Path, plugin_module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = write_config(tmp_path, plugin_module, run={"output_dir": str(tmp_path / "runs")})
+    code, out = invoke("train", str(path), f"model.path={tmp_path / 'no-such-model'}")
+    assert code == 2
+    assert out.startswith("error: model ") and "neither a local directory nor a built-in alias" in out
+    assert not (tmp_path / "runs").exists()  # nothing was made before the model failed
+
+
 def test_train_calls_the_loop_with_config_and_resume(
     tmp_path: Path, plugin_module: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
