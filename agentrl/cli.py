@@ -226,15 +226,26 @@ def build_app() -> typer.Typer:
         add_completion=False,
         pretty_exceptions_enable=False,
     )
-    app.command("list")(clean_errors(list_plugins))
-    app.command("check-env")(clean_errors(check_env_command))
+    app.command("list")(list_plugins)
+    app.command("check-env")(check_env_command)
     config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
-    config_app.command("show")(clean_errors(config_show))
-    config_app.command("explain")(clean_errors(config_explain))
+    config_app.command("show")(config_show)
+    config_app.command("explain")(config_explain)
     app.add_typer(config_app, name="config")
-    app.command("train")(clean_errors(train))
+    app.command("train")(train)
     _register_contributed(app)
+    _clean_errors_everywhere(app)
     return app
+
+
+def _clean_errors_everywhere(app: typer.Typer) -> None:
+    """Wrap every command, contributed ones and those of sub-groups included, in `clean_errors`."""
+    for command in app.registered_commands:
+        if command.callback is not None:
+            command.callback = clean_errors(command.callback)
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            _clean_errors_everywhere(group.typer_instance)
 
 
 def main() -> None:

@@ -436,6 +436,19 @@ class Plugins:
             takes = self._takes_plugins[cls] = _takes_keyword(cls, "plugins")
         return cls(config, plugins=self) if takes else cls(config)  # type: ignore[call-arg]
 
+    def create_sandbox(self, name: str, params: Mapping[str, Any] | None = None, *, prefix: str = "sandbox") -> Any:
+        """Instantiate sandbox plugin `name` with `params` validated by its Config (errors name `prefix.key`).
+
+        The one way sandboxes are made (envs, the code verifier, `agentrl sandbox run`),
+        so a user's sandbox plugin works wherever a built-in one does.
+        """
+        cls = self.sandboxes.get(name)
+        config = self.validate_params("sandboxes", name, params or {}, prefix=prefix)
+        if config is None:
+            return cls()
+        from_config = getattr(cls, "from_config", None)
+        return from_config(config) if from_config is not None else cls(config)
+
 
 def _takes_keyword(cls: type, name: str) -> bool:
     """Whether `cls(...)` accepts a keyword argument called `name` (declared, not via **kwargs)."""

@@ -265,17 +265,12 @@ class CodeEnv(Env):
 
 
 def create_sandbox(spec: SandboxSpec, plugins: Any = None) -> Any:
-    """Instantiate a sandbox plugin by name with validated params."""
+    """The sandbox an env's `sandbox` spec names (`plugins`: the run's registry; None = discover)."""
     if plugins is None:
         from agentrl.registry import Plugins
 
         plugins = Plugins.discover()
-    cls = plugins.sandboxes.get(spec.name)
-    config = plugins.validate_params("sandboxes", spec.name, spec.params, prefix="sandbox.params")
-    from_config = getattr(cls, "from_config", None)
-    if config is not None and from_config is not None:
-        return from_config(config)
-    return cls(config) if config is not None else cls()
+    return plugins.create_sandbox(spec.name, spec.params, prefix="sandbox.params")
 
 
 def _cap(text: str, limit: int, keep: str = "start") -> str:

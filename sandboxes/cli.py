@@ -14,28 +14,17 @@ from typing import Annotated, Any
 import typer
 from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 
+from agentrl.errors import AgentrlError
+
 BACKENDS = ("local", "docker", "e2b", "sandboxfusion")
 
 
 def make_sandbox(backend: str, params: dict[str, Any]) -> Sandbox:
-    """Instantiate a built-in backend by name with validated params."""
-    if backend == "local":
-        from agentrl.sandboxes.local import LocalSandbox
+    """The sandbox plugin `backend` (built-in or the user's) with params validated by its Config."""
+    from agentrl.registry import Plugins
 
-        return LocalSandbox(LocalSandbox.Config(**params))
-    if backend == "docker":
-        from agentrl.sandboxes.docker import DockerSandbox
-
-        return DockerSandbox(DockerSandbox.Config(**params))
-    if backend == "e2b":
-        from agentrl.sandboxes.e2b import E2BSandbox
-
-        return E2BSandbox(E2BSandbox.Config(**params))
-    if backend == "sandboxfusion":
-        from agentrl.sandboxes.sandboxfusion import SandboxFusionSandbox
-
-        return SandboxFusionSandbox(SandboxFusionSandbox.Config(**params))
-    raise typer.BadParameter(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    sandbox: Sandbox = Plugins.discover().create_sandbox(backend, params)
+    return sandbox
 
 
 def _params(items: list[str] | None) -> dict[str, Any]:
@@ -87,7 +76,10 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as JSON.")] = False,
     ) -> None:
         """Run code in a sandbox and print its output; exit code 0 only when status is ok."""
-        code = sys.stdin.read() if file is None or str(file) == "-" else file.read_text()
+        try:
+            code = sys.stdin.read() if file is None or str(file) == "-" else file.read_text()
+        except OSError as e:
+            raise AgentrlError(f"cannot read {file}: {e.strerror or e}") from None
         request = ExecRequest(code=code, language=language, wall_timeout_s=timeout,  # type: ignore[arg-type]
                               memory_mb=memory_mb, stdin=stdin)
 

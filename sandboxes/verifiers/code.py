@@ -101,11 +101,12 @@ class CodeVerifier:
     async def sandbox(self) -> Sandbox:
         async with self._lock:
             if self._sandbox is None:
-                from agentrl.sandboxes.cli import make_sandbox
+                from agentrl.registry import Plugins
 
                 spec = dict(self.config.sandbox)
                 name = spec.pop("name", "local")
-                self._sandbox = await make_sandbox(name, spec).__aenter__()
+                sandbox = Plugins.discover().create_sandbox(name, spec, prefix="sandbox")
+                self._sandbox = await sandbox.__aenter__()
             return self._sandbox
 
     def _request(self, task: dict[str, Any], **kw: Any) -> ExecRequest:

@@ -194,3 +194,13 @@ def test_train_without_a_loop_says_so(tmp_path: Path, plugin_module: str, monkey
     monkeypatch.setitem(sys.modules, "agentrl.loop", None)
     code, out = invoke("train", str(write_config(tmp_path, plugin_module)))
     assert code == 2 and out.startswith("error: agentrl train is not available in this install")
+
+
+def test_contributed_commands_get_clean_errors_too(tmp_path: Path) -> None:
+    """`plot`, `eval`, `show`, `sandbox ...` come from other modules; their user errors are one line too."""
+    code, out = invoke("plot", str(tmp_path))
+    assert code == 2 and out.strip() == f"error: no metrics in {tmp_path / 'metrics.jsonl'}"
+    config = tmp_path / "run.yaml"
+    config.write_text("env: calculator\n")
+    code, out = invoke("eval", str(config), "--checkpoint", str(tmp_path))
+    assert code == 2 and out.strip() == f"error: --checkpoint {tmp_path}: neither a checkpoint nor a model directory"
