@@ -35,9 +35,13 @@ from agentrl.rollout_episode import EpisodeFailure, classify, run_episode, withi
 from agentrl.rollout_metrics import RolloutMetrics
 from agentrl.types import EpisodeError, ErrorClass, Group, Trajectory, new_id
 
-__all__ = ["EpisodeFailure", "RolloutManager", "classify", "run_episode"]
+__all__ = ["EpisodeFailure", "RolloutManager", "RolloutStalled", "classify", "run_episode"]
 
 CURSOR_KEY = "_cursor"  # a task's stream position, when the task stream sets one
+
+
+class RolloutStalled(TimeoutError):
+    """Nothing moved for `stall_timeout_s`; the message says which gate is closed and why."""
 
 
 class RolloutManager:
@@ -173,10 +177,31 @@ class RolloutManager:
     async def _wait_until(self, ready: Callable[[], bool]) -> None:
         if ready():  # the common case: no timer to arm and cancel
             return
-        async with asyncio.timeout(self._stall_timeout_s):
-            while not ready():
-                self._changed.clear()
-                await self._changed.wait()
+        try:
+            async with asyncio.timeout(self._stall_timeout_s):
+                while not ready():
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise RolloutStalled(self._stall_report()) from None
+
+    def _stall_report(self) -> str:
+        """What the gates look like, in words: a stalled run says why, not just that it timed out."""
+        cfg = self.config
+        allowed = (self._version - self._v0 + cfg.max_staleness + 1) * cfg.groups_per_step
+        lines = [f"rollouts made no progress for {self._stall_timeout_s:g}s"]
+        if self._handed + len(self._live) >= allowed:
+            lines.append(
+                f"staleness gate closed: {self._handed} groups handed over and {len(self._live)} live at trainer "
+                f"version {self._version} (started at {self._v0}); max_staleness={cfg.max_staleness} and "
+                f"groups_per_step={cfg.groups_per_step} allow {allowed} until the version moves. "
+                "Call set_trainer_version() after each training step, or raise max_staleness"
+            )
+        if len(self._ready) + self._waiting_put >= cfg.queue_groups:
+            lines.append(f"back-pressure: {len(self._ready)} finished groups not taken (queue_groups={cfg.queue_groups})")
+        if self._episodes:
+            lines.append(f"{self._episodes} episodes in flight (each bounded by episode_timeout_s)")
+        return "; ".join(lines)
 
     def _can_start(self) -> bool:
         cfg = self.config

@@ -14,7 +14,7 @@ from agentrl.chat import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.env import StepResult, Task
 from agentrl.rewards import RewardResult
-from agentrl.rollout import EpisodeFailure, RolloutManager, run_episode
+from agentrl.rollout import EpisodeFailure, RolloutManager, RolloutStalled, run_episode
 from agentrl.rollout_config import FailurePolicy, RolloutConfig
 from agentrl.tool_env import ToolEnv
 from agentrl.types import ErrorClass, Group, Message
@@ -334,6 +334,21 @@ async def test_staleness_zero_is_synchronous(tok: SimpleChatTokenizer) -> None:
             manager.set_trainer_version(step + 1)
         assert manager.metrics()["rollout/staleness/0"] == 6
         await stream.aclose()
+
+
+async def test_a_consumer_that_never_moves_the_version_gets_a_stall_that_says_why(tok: SimpleChatTokenizer) -> None:
+    """Forgetting set_trainer_version() must not be a silent hang: the stall error names the closed gate."""
+    cfg = config(group_size=1, groups_per_step=1, max_staleness=0)
+    async with RolloutManager(CalcEnv, tasks(5), engine(tok), tok, cfg, stall_timeout_s=0.3) as manager:
+        stream = manager.groups()
+        first = await asyncio.wait_for(anext(stream), 10)
+        assert first.task_id == "t0"
+        with pytest.raises(RolloutStalled) as stalled:
+            await asyncio.wait_for(anext(stream), 10)
+    message = str(stalled.value)
+    assert message.startswith("rollouts made no progress for 0.3s; staleness gate closed: 1 groups handed over")
+    assert "max_staleness=0 and groups_per_step=1 allow 1" in message and "set_trainer_version()" in message
+    assert isinstance(stalled.value, TimeoutError)  # what callers caught before still catches it
 
 
 async def test_staleness_budget_allows_k_steps_ahead(tok: SimpleChatTokenizer) -> None:
