@@ -218,22 +218,28 @@ class ConcurrencyLimiter:
         self._sem.release()
 
 
-class LimitConfig(BaseModel):
-    """Concurrency/queue settings every backend config carries."""
+class QueueConfig(BaseModel):
+    """How requests wait for a free slot (a container, worker, sandbox or connection); every backend's
+    config has these keys."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_concurrency: int = Field(default=4, ge=1, description="requests run at once (the rest wait)")
     max_queue: int = Field(
         default=10_000,
         ge=0,
-        description="requests that may wait for a slot; more fail with sandbox_error (0: none)",
+        description="requests that may wait for a free slot; more fail with sandbox_error (0: none)",
     )
     queue_timeout_s: float = Field(
         default=600.0,
         gt=0,
-        description="seconds a request may wait for a slot before it fails with sandbox_error",
+        description="seconds a request may wait for a free slot before it fails with sandbox_error",
     )
+
+
+class LimitConfig(QueueConfig):
+    """Concurrency/queue settings of the limiter every backend runs requests through."""
+
+    max_concurrency: int = Field(default=4, ge=1, description="requests run at once (the rest wait)")
 
 
 class BaseSandbox:

@@ -35,16 +35,23 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.sandboxes.base import BaseSandbox, ExecRequest, ExecResult, LimitConfig, sandbox_error
+from agentrl.sandboxes.base import (
+    BaseSandbox,
+    ExecRequest,
+    ExecResult,
+    LimitConfig,
+    QueueConfig,
+    sandbox_error,
+)
 from agentrl.sandboxes.local import SANDBOX_ENV, server_message, server_result
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 _SERVER_SRC = Path(__file__).with_name("_forkserver.py").read_text()
 _HDR = struct.Struct(">I")
 _ids = itertools.count()
 
 
-class DockerConfig(BaseModel):
+class DockerConfig(QueueConfig):
     """Settings of the ``docker`` backend."""
 
     model_config = ConfigDict(extra="forbid")
@@ -58,16 +65,6 @@ class DockerConfig(BaseModel):
     )
     pool_size: int = Field(
         default=2, ge=1, le=256, description="containers in the pool, i.e. requests run at once"
-    )
-    max_queue: int = Field(
-        default=10_000,
-        ge=0,
-        description="requests that may wait for a container; more fail with sandbox_error (0: none)",
-    )
-    queue_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="seconds a request may wait for a container before it fails with sandbox_error",
     )
     max_uses: int = Field(default=200, ge=1, description="requests a container serves before it is replaced")
     #: Container-wide limits (a request's own memory/CPU/process limits apply inside them).

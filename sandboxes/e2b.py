@@ -29,10 +29,11 @@ from agentrl.sandboxes.base import (
     ExecRequest,
     ExecResult,
     LimitConfig,
+    QueueConfig,
     decode_capped,
     sandbox_error,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 RESULT_MARK = "__agentrl_result__ "
 
@@ -121,7 +122,7 @@ def _agentrl_run(spec_b64):
 '''
 
 
-class E2BConfig(BaseModel):
+class E2BConfig(QueueConfig):
     """Settings of the ``e2b`` backend."""
 
     model_config = ConfigDict(extra="forbid")
@@ -139,16 +140,6 @@ class E2BConfig(BaseModel):
     )
     pool_size: int = Field(
         default=2, ge=1, le=256, description="e2b sandboxes in the pool, i.e. requests run at once"
-    )
-    max_queue: int = Field(
-        default=10_000,
-        ge=0,
-        description="requests that may wait for a sandbox; more fail with sandbox_error (0: none)",
-    )
-    queue_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="seconds a request may wait for a sandbox before it fails with sandbox_error",
     )
     sandbox_timeout_s: int = Field(
         default=600,

@@ -40,10 +40,11 @@ from agentrl.sandboxes.base import (
     ExecRequest,
     ExecResult,
     LimitConfig,
+    QueueConfig,
     decode_capped,
     sandbox_error,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 log = logging.getLogger(__name__)
 _HDR = struct.Struct(">I")
@@ -60,7 +61,7 @@ SANDBOX_ENV = {
 }
 
 
-class LocalConfig(BaseModel):
+class LocalConfig(QueueConfig):
     """Settings of the ``local`` backend."""
 
     model_config = ConfigDict(extra="forbid")
@@ -71,16 +72,6 @@ class LocalConfig(BaseModel):
     )
     pool_size: int = Field(
         default=2, ge=1, le=256, description="requests run at once (warm workers in pool mode)"
-    )
-    max_queue: int = Field(
-        default=10_000,
-        ge=0,
-        description="requests that may wait for a worker; more fail with sandbox_error (0: none)",
-    )
-    queue_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="seconds a request may wait for a worker before it fails with sandbox_error",
     )
     max_uses: int = Field(
         default=10_000, ge=1, description="requests a worker serves before it is replaced (bounds slow leaks)"

@@ -13,11 +13,18 @@ import base64
 import time
 from typing import Any
 
-from agentrl.sandboxes.base import BaseSandbox, ExecRequest, ExecResult, LimitConfig, sandbox_error
-from pydantic import BaseModel, ConfigDict, Field
+from agentrl.sandboxes.base import (
+    BaseSandbox,
+    ExecRequest,
+    ExecResult,
+    LimitConfig,
+    QueueConfig,
+    sandbox_error,
+)
+from pydantic import ConfigDict, Field
 
 
-class SandboxFusionConfig(BaseModel):
+class SandboxFusionConfig(QueueConfig):
     """Settings of the ``sandboxfusion`` backend."""
 
     model_config = ConfigDict(extra="forbid")
@@ -27,16 +34,6 @@ class SandboxFusionConfig(BaseModel):
     )
     max_concurrency: int = Field(
         default=16, ge=1, description="requests in flight at once (also the HTTP pool size)"
-    )
-    max_queue: int = Field(
-        default=10_000,
-        ge=0,
-        description="requests that may wait for a slot; more fail with sandbox_error (0: none)",
-    )
-    queue_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="seconds a request may wait for a slot before it fails with sandbox_error",
     )
     slack_s: float = Field(
         default=10.0, gt=0, description="seconds beyond a request's wall_timeout_s for the HTTP round trip"
