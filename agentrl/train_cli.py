@@ -26,11 +26,21 @@ def eval_command(
         str | None,
         typer.Option(help="Checkpoint dir (RUN/checkpoints/step-N), a model dir, or an alias; default: model.path"),
     ] = None,
-    samples: Annotated[int, typer.Option(help="Samples per task (pass@k for k <= samples).")] = 1,
-    tasks: Annotated[int | None, typer.Option(help="Held-out tasks to score (default: run.eval_tasks).")] = None,
+    samples: Annotated[int, typer.Option(help="Samples per task (pass@k for k <= samples).", min=1)] = 1,
+    tasks: Annotated[
+        int | None, typer.Option(help="Held-out tasks to score (default: run.eval_tasks).", min=1)
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Also store the episodes in this directory, for `agentrl show` / `agentrl replay`."),
+    ] = None,
     overrides: Annotated[list[str] | None, typer.Argument(help="Overrides key.path=value.")] = None,
 ) -> None:
-    """Score a model on held-out tasks: mean reward and pass@k, written into the run."""
+    """Score a model on held-out tasks: mean reward and pass@k, written into the run.
+
+    With `'engine={name: scripted, replies: [...]}'` and `--out DIR` this is a model-free
+    harness for an env and its reward: play canned replies, then look at every episode.
+    """
     from agentrl.config import load_config
 
     run_config = load_config(config, overrides or [])
@@ -38,6 +48,9 @@ def eval_command(
         run_config.run.eval_tasks = tasks
     run_config.run.eval_samples = samples
     model, run_dir = _model_and_run(checkpoint)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        run_dir = out
     if model is not None:
         run_config.model.path = model
         if run_config.engine.model_extra is not None and "model" in run_config.engine.model_extra:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from agentrl.cli import build_app
+from agentrl.store import TrajectoryStore
 
 PLUGIN_SOURCE = '''
 import agentrl
@@ -204,3 +206,19 @@ def test_contributed_commands_get_clean_errors_too(tmp_path: Path) -> None:
     config.write_text("env: calculator\n")
     code, out = invoke("eval", str(config), "--checkpoint", str(tmp_path))
     assert code == 2 and out.strip() == f"error: --checkpoint {tmp_path}: neither a checkpoint nor a model directory"
+
+
+def test_eval_with_a_scripted_engine_stores_episodes_to_look_at(tmp_path: Path, tiny_llama_path: str) -> None:
+    """The model-free dev loop: canned replies through the real env and reward, then `agentrl show`."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"env: calculator\nmodel: {{path: {tiny_llama_path}}}\n")
+    out = tmp_path / "dev"
+    code, text = invoke("eval", str(config), "engine={name: scripted, replies: ['Answer: 42']}",
+                        "--tasks", "2", "--out", str(out))
+    assert code == 0, text
+    summary = json.loads(text)
+    assert summary["tasks"] == 2 and summary["errors"] == 0.0
+    with TrajectoryStore(out / "trajectories.sqlite", readonly=True) as store:
+        assert store.count() == 2
+    code, text = invoke("show", str(out), "--no-tokens")
+    assert code == 0 and "Answer: 42" in text and "eval" in text
