@@ -283,6 +283,16 @@ class TrainerConfig(_Section):
     def _consistent(self) -> TrainerConfig:
         if self.advantage == "gae" and self.critic is None:
             raise ValueError("trainer.advantage='gae' needs a trainer.critic section (e.g. critic: {})")
+        if self.advantage != "gae" and self.critic is not None:
+            raise ValueError(
+                f"trainer.critic is only used by trainer.advantage='gae' (got {self.advantage!r}): "
+                "remove it or set advantage: gae"
+            )
+        if self.advantage == "gae" and self.sequence_parallel_size > 1:
+            raise ValueError(
+                f"trainer.sequence_parallel_size={self.sequence_parallel_size} does not support "
+                "advantage='gae' yet (the critic runs unsplit); use 1"
+            )
         if self.schedule != "constant" and self.total_steps is None:
             raise ValueError(f"trainer.schedule={self.schedule!r} needs trainer.total_steps")
         if self.shared_prefix and (self.attention != "packed_sdpa" or self.sequence_parallel_size != 1):

@@ -101,6 +101,16 @@ def test_keys_that_would_do_nothing_are_errors(plugins: Plugins) -> None:
     assert config.engine.params["model"] == "other/model"
 
 
+def test_trainer_sections_that_would_be_ignored_are_errors(plugins: Plugins) -> None:
+    msg = error_of(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "grpo", "critic": {}}})
+    assert "trainer.critic is only used by trainer.advantage='gae' (got 'grpo')" in msg
+    msg = error_of(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "gae", "critic": {},
+                                                 "sequence_parallel_size": 2}})
+    assert "trainer.sequence_parallel_size=2 does not support advantage='gae' yet" in msg
+    gae = resolve(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "gae", "critic": {}}})
+    assert gae.trainer.params["critic"] is not None
+
+
 def test_configs_written_by_earlier_versions_still_load(plugins: Plugins) -> None:
     """Their run's config.yaml held `sandbox: null`, `reward: null`, `rollout.reward_timeout_s: 60.0`."""
     old = {**BASE, "sandbox": None, "reward": None, "rollout": {"reward_timeout_s": 60.0, "group_size": 4}}
