@@ -56,7 +56,9 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
         started = time.perf_counter()
         metrics = await _off_thread(lock, parts.trainer.train_step, batch)
         step += 1
+        synced = time.perf_counter()
         await parts.engine.update_weights(parts.trainer.state_for_engines(), parts.trainer.policy_version)
+        metrics["time/weight_sync_s"] = time.perf_counter() - synced
         metrics |= extra() | batch_metrics(batch, parts.trainer.policy_version)
         metrics["time/step_s"] = time.perf_counter() - started
         for group in batch:

@@ -57,6 +57,7 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rl_rows = [r for r in rows if r["step"] >= 1 and "grad_norm" in r]
     assert [r["step"] for r in rl_rows] == [1, 2, 3]
+    assert all(0 < r["time/weight_sync_s"] < r["time/step_s"] for r in rl_rows)
     assert any(r["grad_norm"] > 0 for r in rl_rows), "no RL step had a non-zero gradient"
     assert any(r["step"] == 0 and "eval/reward_mean" in r for r in rows)
     sft = [r for r in rows if "sft/loss" in r]
