@@ -306,6 +306,13 @@ def resolve_config(
         resolved._config = validated
         updates[section] = resolved
     config = config.model_copy(update=updates)
+    scored = config.trainer.params.get("temperature")
+    if scored is not None and scored != config.rollout.sampling.temperature:
+        raise ConfigError(
+            f"trainer.temperature={scored} differs from rollout.sampling.temperature="
+            f"{config.rollout.sampling.temperature}: the trainer must score tokens under the distribution "
+            "the engine sampled from; set them equal"
+        )
     served = config.engine.params.get("model", config.model.path)
     if served != config.model.path:
         raise ConfigError(

@@ -18,7 +18,6 @@ from agentrl.demonstrations import demonstration_sample
 from agentrl.engines.base import InferenceEngine
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
-from agentrl.errors import ConfigError
 from agentrl.evaluation import EvalResult, evaluate
 from agentrl.metrics_log import MetricsLog
 from agentrl.rollout import RolloutManager
@@ -72,13 +71,6 @@ def build_parts(config: RunConfig) -> Parts:
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
     trainer_cls = plugins.registry("trainers").get(config.trainer.name)
     trainer_config = config.trainer.config or trainer_cls.Config(**config.trainer.params)
-    trainer_temperature = getattr(trainer_config, "temperature", None)
-    if trainer_temperature not in (None, config.rollout.sampling.temperature):
-        raise ConfigError(
-            f"trainer.temperature={trainer_temperature} differs from "
-            f"rollout.sampling.temperature={config.rollout.sampling.temperature}: the trainer must score "
-            "tokens under the distribution the engine sampled from; set them equal"
-        )
     trainer = trainer_cls(trainer_config, model_path)
     engine = _engine(config, model_path, tokenizer)
     return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer)

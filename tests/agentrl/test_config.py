@@ -101,6 +101,14 @@ def test_keys_that_would_do_nothing_are_errors(plugins: Plugins) -> None:
     assert config.engine.params["model"] == "other/model"
 
 
+def test_trainer_and_sampling_temperatures_must_agree(plugins: Plugins) -> None:
+    """Checked when the config loads (config show/explain too), not after the model is loaded."""
+    msg = error_of(plugins, BASE, "rollout.sampling.temperature=0.7")
+    assert msg.startswith("trainer.temperature=1.0 differs from rollout.sampling.temperature=0.7:")
+    both = resolve(plugins, BASE, "rollout.sampling.temperature=0.7", "trainer.temperature=0.7")
+    assert both.trainer.params["temperature"] == 0.7
+
+
 def test_trainer_sections_that_would_be_ignored_are_errors(plugins: Plugins) -> None:
     msg = error_of(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "grpo", "critic": {}}})
     assert "trainer.critic is only used by trainer.advantage='gae' (got 'grpo')" in msg
