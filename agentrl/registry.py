@@ -450,6 +450,28 @@ class Plugins:
         return from_config(config) if from_config is not None else cls(config)
 
 
+def check_named_plugin(
+    context: Mapping[str, Any] | None, kind: str, name: str, params: Mapping[str, Any] | None = None
+) -> None:
+    """For a Config validator: check that plugin `name` of `kind` exists and takes `params`.
+
+    Works when the run's registry is in the validation context (`Plugins.validate_params`
+    puts it there: a run config, `create_env`), so a misspelt name or option fails when
+    the config loads, not in every episode; a Config built by hand is not checked.
+    Raises ValueError, which pydantic reports under the field's path.
+    """
+    plugins = (context or {}).get("plugins")
+    if not isinstance(plugins, Plugins):
+        return
+    try:
+        if params is None:
+            plugins.registry(kind).get(name)
+        else:
+            plugins.validate_params(kind, name, params, prefix="params")
+    except PluginError as e:
+        raise ValueError(f"name: {e}") from None
+
+
 def _takes_keyword(cls: type, name: str) -> bool:
     """Whether `cls(...)` accepts a keyword argument called `name` (declared, not via **kwargs)."""
     try:

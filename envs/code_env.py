@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
-from agentrl.errors import PluginError
+from agentrl.registry import check_named_plugin
 from agentrl.types import JSON, Message
 
 from .shared import shared_objects
@@ -48,17 +48,8 @@ class SandboxSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_now(self, info: ValidationInfo) -> SandboxSpec:
-        """With the run's registry at hand (a run config, `create_env`), check name and params now.
-
-        Otherwise a misspelt backend or option would surface only when the first
-        episode makes the sandbox, as a sandbox error in every episode.
-        """
-        plugins = (info.context or {}).get("plugins")
-        if plugins is not None:
-            try:
-                plugins.validate_params("sandboxes", self.name, self.params, prefix="params")
-            except PluginError as e:
-                raise ValueError(f"name: {e}") from None
+        """Name and params are checked when the config loads, not when the first episode makes the sandbox."""
+        check_named_plugin(info.context, "sandboxes", self.name, self.params)
         return self
 
 

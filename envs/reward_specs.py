@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from agentrl.env import Task
+from agentrl.registry import check_named_plugin
 from agentrl.rewards import Reward, RewardResult, weighted
 from agentrl.types import JSON, Message
 
@@ -28,6 +29,12 @@ class RewardSpec(BaseModel):
     name: str = Field(..., min_length=1, description="a registered agentrl.rewards plugin")
     weight: float = Field(1.0, description="multiplier of this reward in the weighted sum")
     params: dict[str, JSON] = Field(default_factory=dict, description="options of that reward plugin (its Config)")
+
+    @model_validator(mode="after")
+    def _check_now(self, info: ValidationInfo) -> RewardSpec:
+        """Name and params are checked when the config loads, not when the first episode is scored."""
+        check_named_plugin(info.context, "rewards", self.name, self.params)
+        return self
 
 
 class FunctionReward:

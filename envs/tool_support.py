@@ -16,9 +16,10 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from agentrl.env import Task
+from agentrl.registry import check_named_plugin
 from agentrl.rewards import RewardResult
 from agentrl.tool_env import ToolEnv, ToolEnvConfig
 from agentrl.tools import Tool
@@ -36,6 +37,13 @@ class ToolCapableConfig(ToolEnvConfig):
         default_factory=lambda: [RewardSpec(name="math")], min_length=1,
         description="reward plugins, weighted and summed (default: the math verifier)",
     )
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, names: list[str], info: ValidationInfo) -> list[str]:
+        for name in names:
+            check_named_plugin(info.context, "tools", name)
+        return names
 
 
 def resolve_plugins(plugins: Any) -> Any:

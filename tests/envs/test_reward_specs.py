@@ -61,3 +61,20 @@ def test_errors_name_the_key_and_the_choices(plugins: agentrl.Plugins) -> None:
         build_rewards([RewardSpec(name="contain")], plugins=plugins)
     with pytest.raises(ConfigError, match="takes no parameters"):
         build_rewards([RewardSpec(name="short", params={"x": 1})], plugins=plugins)
+
+
+def test_reward_and_tool_names_and_params_are_checked_when_the_env_is_configured() -> None:
+    """Through the run's registry (user plugins included), not at the first scored episode."""
+    module = types.ModuleType("my_rewards")
+    module.Contains = Contains  # type: ignore[attr-defined]
+    module.short = short  # type: ignore[attr-defined]
+    plugins = agentrl.Plugins.discover([module])  # the built-in envs and tools too
+    dataset = {"source": {"path": "unused.jsonl"}}
+    with pytest.raises(ConfigError, match=r"env\.rewards\.0: .*params\.word: required key is missing"):
+        plugins.env_config("dataset", {**dataset, "rewards": [{"name": "contains"}]})
+    with pytest.raises(ConfigError, match=r"env\.rewards\.0: .*name: unknown reward 'contain'; did you mean"):
+        plugins.env_config("dataset", {**dataset, "rewards": [{"name": "contain"}]})
+    with pytest.raises(ConfigError, match=r"env\.tools: .*name: unknown tool 'calculater'; did you mean 'calculator'"):
+        plugins.env_config("dataset", {**dataset, "rewards": [{"name": "short"}], "tools": ["calculater"]})
+    config = plugins.env_config("dataset", {**dataset, "rewards": [{"name": "contains", "params": {"word": "x"}}]})
+    assert config.rewards[0].params == {"word": "x"}  # type: ignore[attr-defined]
