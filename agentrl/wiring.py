@@ -18,6 +18,7 @@ from agentrl.demonstrations import demonstration_sample
 from agentrl.engines.base import InferenceEngine
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
+from agentrl.errors import ConfigError
 from agentrl.evaluation import EvalResult, evaluate
 from agentrl.metrics_log import MetricsLog
 from agentrl.rollout import RolloutManager
@@ -92,9 +93,19 @@ def _env_and_tasks(config: RunConfig) -> tuple[Callable[[], Env], Env, list[Task
         return plugins.create_env(config.env.name, config.env.params)
 
     probe = env_factory()
-    train_tasks = list(probe.tasks("train"))
-    test_tasks = list(probe.tasks(config.run.eval_split))[: config.run.eval_tasks]
+    train_tasks = _split(probe, "train", "env")
+    if not train_tasks:
+        raise ConfigError(f"env {config.env.name!r} has no tasks in its train split")
+    test_tasks = _split(probe, config.run.eval_split, "run.eval_split")[: config.run.eval_tasks]
     return env_factory, probe, train_tasks, test_tasks
+
+
+def _split(env: Env, split: str, key: str) -> list[Task]:
+    """The tasks of one split; an env's complaint about the split (an unknown name) is a config error."""
+    try:
+        return list(env.tasks(split))
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{key}: split {split!r}: {e}") from None
 
 
 def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> InferenceEngine:
@@ -140,6 +151,8 @@ def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, flo
 
 async def evaluate_config(config: RunConfig, parts: Parts | EvalParts) -> EvalResult:
     """Evaluate on the held-out tasks with the run's eval settings."""
+    if not parts.test_tasks:
+        raise ConfigError(f"run.eval_split: env {config.env.name!r} has no tasks in split {config.run.eval_split!r}")
     return await evaluate(
         parts.env_factory,
         parts.test_tasks,

@@ -222,3 +222,11 @@ def test_eval_with_a_scripted_engine_stores_episodes_to_look_at(tmp_path: Path, 
         assert store.count() == 2
     code, text = invoke("show", str(out), "--no-tokens")
     assert code == 0 and "Answer: 42" in text and "eval" in text
+
+
+def test_eval_on_a_split_the_env_does_not_have_is_one_line(tmp_path: Path, tiny_llama_path: str) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(f"env: calculator\nmodel: {{path: {tiny_llama_path}}}\nengine: scripted\n")
+    code, text = invoke("eval", str(config), "run.eval_split=tset")
+    assert code == 2
+    assert text.strip() == "error: run.eval_split: split 'tset': calculator: unknown split 'tset'; available: train, test"
