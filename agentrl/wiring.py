@@ -69,6 +69,8 @@ def build_parts(config: RunConfig) -> Parts:
     plugins = config.registry()
     model_path = resolve_model(config.model.path)
     env_factory, probe, train_tasks, test_tasks = _env_and_tasks(config)
+    if config.run.eval_every and not test_tasks:  # found out now, not at the first evaluation
+        raise ConfigError(_no_eval_tasks(config))
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
     trainer_cls = plugins.registry("trainers").get(config.trainer.name)
     trainer_config = config.trainer.config or trainer_cls.Config(**config.trainer.params)
@@ -98,6 +100,10 @@ def _env_and_tasks(config: RunConfig) -> tuple[Callable[[], Env], Env, list[Task
         raise ConfigError(f"env {config.env.name!r} has no tasks in its train split")
     test_tasks = _split(probe, config.run.eval_split, "run.eval_split")[: config.run.eval_tasks]
     return env_factory, probe, train_tasks, test_tasks
+
+
+def _no_eval_tasks(config: RunConfig) -> str:
+    return f"run.eval_split: env {config.env.name!r} has no tasks in split {config.run.eval_split!r}"
 
 
 def _split(env: Env, split: str, key: str) -> list[Task]:
@@ -152,7 +158,7 @@ def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, flo
 async def evaluate_config(config: RunConfig, parts: Parts | EvalParts) -> EvalResult:
     """Evaluate on the held-out tasks with the run's eval settings."""
     if not parts.test_tasks:
-        raise ConfigError(f"run.eval_split: env {config.env.name!r} has no tasks in split {config.run.eval_split!r}")
+        raise ConfigError(_no_eval_tasks(config))
     return await evaluate(
         parts.env_factory,
         parts.test_tasks,
