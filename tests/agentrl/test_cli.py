@@ -230,3 +230,6 @@ def test_eval_on_a_split_the_env_does_not_have_is_one_line(tmp_path: Path, tiny_
     code, text = invoke("eval", str(config), "run.eval_split=tset")
     assert code == 2
     assert text.strip() == "error: run.eval_split: split 'tset': calculator: unknown split 'tset'; available: train, test"
+    config.write_text(f"env: {{name: math, test_size: 0}}\nmodel: {{path: {tiny_llama_path}}}\nengine: scripted\n")
+    code, text = invoke("eval", str(config))
+    assert code == 2 and text.strip() == "error: run.eval_split: env 'math' has no tasks in split 'test'"
