@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from agentrl.config import RunConfig, dump_config
-from agentrl.metrics_log import MetricsLog
+from agentrl.metrics_log import MetricsLog, check_loggers
 from agentrl.progress import TrainProgress
 from agentrl.run_dir import RunDir
 from agentrl.store import TrajectoryStore
@@ -31,6 +31,7 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
     """Train per `config` (or continue the run at `resume`); returns the run directory."""
     began = time.monotonic()  # `time/wall_s`: wall clock of this process, model loading included
     existing = RunDir.existing(resume) if resume else None  # a bad --resume fails before the model loads
+    check_loggers(config.run.loggers)
     parts = build_parts(config)  # a model that cannot be had fails before a run directory is made
     run = existing or RunDir.create(Path(config.run.output_dir), config.run.name)
     run.config_path.write_text(dump_config(config))

@@ -8,6 +8,7 @@ a dashboard must never stop a training run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rich.console import Console
+
+from agentrl.errors import AgentrlError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,24 @@ class MlflowSink:
 
     def close(self) -> None:
         self._mlflow.end_run()
+
+
+LOGGER_PACKAGES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""The package each optional logger needs (jsonl needs none)."""
+
+
+def check_loggers(loggers: Sequence[str]) -> None:
+    """Fail before a run starts when a logger it asks for is not installed.
+
+    Asking for wandb and getting nothing logged is a no-op found hours later;
+    a logger that is installed but fails to start (no network, no login) is
+    still only disabled with a warning, so a dashboard never stops training.
+    """
+    missing = [name for name in loggers if name in LOGGER_PACKAGES
+               and importlib.util.find_spec(LOGGER_PACKAGES[name]) is None]
+    if missing:
+        install = " ".join(LOGGER_PACKAGES[name] for name in missing)
+        raise AgentrlError(f"run.loggers: {', '.join(missing)} not installed (pip install {install}), or drop it")
 
 
 class MetricsLog:
