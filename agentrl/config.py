@@ -295,8 +295,6 @@ def resolve_config(
     updates: dict[str, PluginSpec] = {}
     for section in PLUGIN_SECTIONS:
         spec = getattr(config, section)
-        if spec is None:
-            continue
         try:
             validated = _validate_section(plugins, config, section, spec)
         except PluginError as e:
@@ -306,6 +304,13 @@ def resolve_config(
         resolved._config = validated
         updates[section] = resolved
     config = config.model_copy(update=updates)
+    _check_sections_agree(config)
+    config._registry = plugins
+    return config
+
+
+def _check_sections_agree(config: RunConfig) -> None:
+    """Rules across sections: the trainer scores what the engine sampled, from the same model."""
     scored = config.trainer.params.get("temperature")
     if scored is not None and scored != config.rollout.sampling.temperature:
         raise ConfigError(
@@ -319,8 +324,6 @@ def resolve_config(
             f"engine.model: got {served!r}, but the engine serves the policy the trainer trains, "
             f"model.path={config.model.path!r}; set model.path instead"
         )
-    config._registry = plugins
-    return config
 
 
 def _without_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
