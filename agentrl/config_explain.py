@@ -110,18 +110,24 @@ def _plugin_docs(section: str, spec: PluginSpec) -> Iterator[KeyDoc]:
         yield from _model_docs(section, spec.config)
 
 
-def _model_docs(prefix: str, model: BaseModel | type[BaseModel]) -> Iterator[KeyDoc]:
-    """The keys of a section; a class (an unset optional section) gives its defaults."""
+def _model_docs(
+    prefix: str, model: BaseModel | type[BaseModel], within: tuple[type, ...] = ()
+) -> Iterator[KeyDoc]:
+    """The keys of a section; a class (an unset optional section) gives its defaults.
+
+    `within` holds the unset sections being listed, so a model that nests itself stops.
+    """
     cls = model if isinstance(model, type) else type(model)
     for name, field in cls.model_fields.items():
         path = f"{prefix}.{name}"
         value = _default(field) if isinstance(model, type) else getattr(model, name)
         sub = model_in(field.annotation)
         if isinstance(value, BaseModel):
-            yield from _model_docs(path, value)
+            yield from _model_docs(path, value, within)
         elif value is None and sub is not None:
             yield _leaf(path, field, value, fallback=_first_line(sub.__doc__))
-            yield from _model_docs(path, sub)
+            if sub not in within:
+                yield from _model_docs(path, sub, (*within, sub))
         else:
             yield _leaf(path, field, value)
 

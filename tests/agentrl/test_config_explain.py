@@ -165,3 +165,18 @@ def test_cli_explains_a_file_overrides_alone_and_only_changed_keys(tmp_path: Pat
     assert code == 0 and out.startswith("env.name: math  [str, required]")
     code, out = invoke("config", "explain", str(config), "-k", "rollout.grup_size")
     assert code != 0 and "did you mean 'rollout.group_size'" in out
+
+
+def test_a_section_type_that_nests_itself_is_listed_once() -> None:
+    """An unset optional section is listed from its class; a class that contains itself must not loop."""
+    from agentrl.config_explain import _model_docs
+
+    class Node(BaseModel):
+        """A tree of settings."""
+
+        weight: float = 1.0
+        child: Node | None = None
+
+    Node.model_rebuild()
+    paths = [d.path for d in _model_docs("tree", Node())]
+    assert paths == ["tree.weight", "tree.child", "tree.child.weight", "tree.child.child"]
