@@ -50,6 +50,8 @@ class KeyDoc:
     default: Any
     description: str
     limits: str = ""
+    item_keys: tuple[KeyDoc, ...] = ()
+    """For a list of sections (e.g. `env.rewards`): the keys each item takes."""
 
     @property
     def changed(self) -> bool:
@@ -85,6 +87,13 @@ def format_docs(docs: list[KeyDoc], width: int = 100) -> str:
         lines.extend(textwrap.wrap(header, width, subsequent_indent="        ", break_on_hyphens=False))
         text = doc.description or "(no description)"
         lines.extend(textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="    "))
+        if doc.item_keys:
+            lines.append("    each item:")
+        for item in doc.item_keys:
+            default = "required" if item.default is REQUIRED else f"default {_show(item.path, item.default)}"
+            facts = ", ".join(x for x in (item.type, item.limits, default) if x)
+            entry = f"{item.path}  [{facts}]: {item.description or '(no description)'}"
+            lines.extend(textwrap.wrap(entry, width, initial_indent="      ", subsequent_indent="          "))
     return "\n".join(lines) + ("\n" if lines else "")
 
 
@@ -128,6 +137,9 @@ def _model_docs(
             yield _leaf(path, field, value, fallback=_first_line(sub.__doc__))
             if sub not in within:
                 yield from _model_docs(path, sub, (*within, sub))
+        elif isinstance(value, list) and sub is not None:  # a list of sections: one doc, item keys inside
+            items = tuple(_leaf(name, f, _default(f)) for name, f in sub.model_fields.items())
+            yield dataclasses.replace(_leaf(path, field, value), item_keys=items)
         else:
             yield _leaf(path, field, value)
 

@@ -180,3 +180,12 @@ def test_a_section_type_that_nests_itself_is_listed_once() -> None:
     Node.model_rebuild()
     paths = [d.path for d in _model_docs("tree", Node())]
     assert paths == ["tree.weight", "tree.child", "tree.child.weight", "tree.child.child"]
+
+
+def test_a_list_of_sections_documents_the_keys_of_each_item(plugins: Plugins) -> None:
+    config = resolve_config({"env": {"name": "math", "rewards": [{"name": "math", "weight": 2.0}]}}, plugins=plugins)
+    (rewards,) = explain(config, "env.rewards")
+    assert [k.path for k in rewards.item_keys] == ["name", "weight", "params"]
+    text = format_docs([rewards])
+    assert "\n    each item:\n      name  [str, length >= 1, required]: a registered agentrl.rewards plugin\n" in text
+    assert "      weight  [float, default 1.0]: " in text
