@@ -30,8 +30,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from agentrl.registry import check_named_plugin
 from agentrl.rewards import RewardResult
 from agentrl.types import Message
 
@@ -75,6 +76,14 @@ class CodeConfig(BaseModel):
     partial_credit: bool = Field(
         default=True, description="reward = fraction of tests passed; false: 1 only when all pass, else 0"
     )
+
+    @field_validator("sandbox")
+    @classmethod
+    def _known_sandbox(cls, spec: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """The backend and its params are checked when the config loads, not at the first scored episode."""
+        params = dict(spec)
+        check_named_plugin(info.context, "sandboxes", str(params.pop("name", "local")), params)
+        return spec
 
 
 class CodeVerifier:

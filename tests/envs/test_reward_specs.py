@@ -76,5 +76,8 @@ def test_reward_and_tool_names_and_params_are_checked_when_the_env_is_configured
         plugins.env_config("dataset", {**dataset, "rewards": [{"name": "contain"}]})
     with pytest.raises(ConfigError, match=r"env\.tools: .*name: unknown tool 'calculater'; did you mean 'calculator'"):
         plugins.env_config("dataset", {**dataset, "rewards": [{"name": "short"}], "tools": ["calculater"]})
+    code = {"name": "code", "params": {"sandbox": {"name": "local", "pool_sise": 3}}}  # the reward's own sandbox
+    with pytest.raises(ConfigError, match=r"env\.rewards\.0: .*params\.pool_sise: unknown key; did you mean 'pool_size'"):
+        plugins.env_config("dataset", {**dataset, "rewards": [code]})
     config = plugins.env_config("dataset", {**dataset, "rewards": [{"name": "contains", "params": {"word": "x"}}]})
     assert config.rewards[0].params == {"word": "x"}  # type: ignore[attr-defined]
