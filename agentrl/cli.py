@@ -164,6 +164,9 @@ def config_explain(
     if config is not None and "=" in config and not Path(config).exists():  # no file, overrides only
         overrides.insert(0, config)
         config = None
+    if config is None and not any(o.split("=", 1)[0].strip() in ("env", "env.name") for o in overrides):
+        raise AgentrlError("config explain needs a CONFIG file or an env to explain, e.g. "
+                           "`agentrl config explain env.name=calculator` (`agentrl list envs` shows them)")
     run_config = load_config(config, overrides) if config is not None else resolve_config({}, overrides)
     docs = explain(run_config, key or "")
     typer.echo(format_docs([d for d in docs if d.changed] if changed else docs), nl=False)

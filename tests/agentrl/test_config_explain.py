@@ -163,6 +163,8 @@ def test_cli_explains_a_file_overrides_alone_and_only_changed_keys(tmp_path: Pat
     assert code == 0 and "rollout.group_size: 4" in out and "rollout.max_staleness" not in out
     code, out = invoke("config", "explain", "env.name=math", "-k", "env.name")  # no file: overrides alone
     assert code == 0 and out.startswith("env.name: math  [str, required]")
+    code, out = invoke("config", "explain")
+    assert code == 2 and "`agentrl config explain env.name=calculator`" in out
     code, out = invoke("config", "explain", str(config), "-k", "rollout.grup_size")
     assert code != 0 and "did you mean 'rollout.group_size'" in out
 
