@@ -185,7 +185,7 @@ class TrainerConfig(_Section):
         description="the engines' sampling temperature: logits are divided by it before logprobs and entropy",
     )
     critic: CriticConfig | None = Field(
-        None, description="PPO value model; required by advantage=gae and unused by the other estimators"
+        None, description="PPO value model; required by advantage=gae, an error with the other estimators"
     )
 
     # optimisation
