@@ -32,7 +32,7 @@ def eval_command(
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option(help="Also store the episodes in this directory, for `agentrl show` / `agentrl replay`."),
+        typer.Option(help="Store the episodes and eval.json here (not in the checkpoint's run), for show/replay."),
     ] = None,
     overrides: Annotated[list[str] | None, typer.Argument(help="Overrides key.path=value.")] = None,
 ) -> None:
