@@ -172,6 +172,17 @@ def config_explain(
     typer.echo(format_docs([d for d in docs if d.changed] if changed else docs), nl=False)
 
 
+def config_diff(
+    a: Annotated[Path, typer.Argument(help="A run config YAML file or a run directory.")],
+    b: Annotated[Path, typer.Argument(help="The one to compare it with.")],
+) -> None:
+    """Print the keys two configs (or two runs) set differently: `path: A -> B`."""
+    from agentrl.config import load_config
+    from agentrl.config_explain import differences, format_differences
+
+    typer.echo(format_differences(differences(load_config(a), load_config(b))), nl=False)
+
+
 def train(
     config: Annotated[Path | None, typer.Argument(help="Run config YAML (omit with --resume).")] = None,
     overrides: OverridesArg = None,
@@ -234,6 +245,7 @@ def build_app() -> typer.Typer:
     config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
     config_app.command("show")(config_show)
     config_app.command("explain")(config_explain)
+    config_app.command("diff")(config_diff)
     app.add_typer(config_app, name="config")
     app.command("train")(train)
     _register_contributed(app)

@@ -344,8 +344,10 @@ def _without_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
 def load_config(
     path: str | Path, overrides: Sequence[str] = (), *, plugins: Plugins | None = None
 ) -> RunConfig:
-    """Read a YAML config file, apply `a.b=c` overrides and validate everything."""
+    """Read a YAML config file (or a run directory's config.yaml), apply `a.b=c` overrides, validate."""
     path = Path(path)
+    if path.is_dir() and (path / "config.yaml").is_file():  # a run: the config it ran with
+        path = path / "config.yaml"
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import textwrap
 import types
 import typing
@@ -29,6 +30,9 @@ from agentrl.errors import ConfigError, closest, model_in
 
 REQUIRED: Final[str] = "(required)"
 """The `default` of a key that has none."""
+
+MISSING: Final[str] = "(not set)"
+"""In a diff: the value of a key the other config does not have."""
 
 SECRET_WORDS = frozenset({"token", "secret", "password", "apikey", "credentials", "authorization"})
 """A key (or a key inside a mapping value, like a header) with one of these words in its snake_case
@@ -74,6 +78,28 @@ def explain(config: RunConfig, key: str = "") -> list[KeyDoc]:
         hint = f"; did you mean {guess!r}?" if guess else "; `agentrl config explain CONFIG` lists every key"
         raise ConfigError(f"{key}: no such config key{hint}")
     return chosen
+
+
+def differences(a: RunConfig, b: RunConfig) -> list[tuple[str, Any, Any]]:
+    """The keys whose values differ between two configs, as (path, value in a, value in b).
+
+    A key only one of them has (another env's keys) pairs with `MISSING`.
+    """
+    left = {d.path: d.value for d in explain(a)}
+    right = {d.path: d.value for d in explain(b)}
+    out = []
+    for path in [*left, *(p for p in right if p not in left)]:
+        x, y = left.get(path, MISSING), right.get(path, MISSING)
+        if x is MISSING or y is MISSING or to_jsonable_python(x) != to_jsonable_python(y):
+            out.append((path, x, y))
+    return out
+
+
+def format_differences(diffs: list[tuple[str, Any, Any]]) -> str:
+    """One line per key: ``path: A -> B``."""
+    if not diffs:
+        return "no differences\n"
+    return "".join(f"{path}: {_show(path, x)} -> {_show(path, y)}\n" for path, x, y in diffs)
 
 
 def format_docs(docs: list[KeyDoc], width: int = 100) -> str:
@@ -199,11 +225,13 @@ def limits(field: FieldInfo) -> str:
 
 def _show(path: str, value: Any, limit: int = 160) -> str:
     """A value as it would be written in the YAML config (one line, long ones cut, secrets masked)."""
-    if value is REQUIRED:
-        return REQUIRED
+    if value is REQUIRED or value is MISSING:
+        return str(value)
     plain = _masked(path.rsplit(".", 1)[-1], to_jsonable_python(value))
     text: str = yaml.safe_dump(plain, default_flow_style=True, width=10**6, allow_unicode=True)
     text = text.strip().removesuffix("...").strip()
+    if "\n" in text:  # a multi-line string: JSON (valid YAML too) keeps it on one line
+        text = json.dumps(plain, ensure_ascii=False)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -70,7 +70,8 @@ def invoke(*args: str) -> tuple[int, str]:
 
 def test_help_everywhere() -> None:
     for args in ([], ["--help"], ["list", "--help"], ["check-env", "--help"], ["config", "--help"],
-                 ["config", "show", "--help"], ["train", "--help"]):
+                 ["config", "show", "--help"], ["config", "explain", "--help"], ["config", "diff", "--help"],
+                 ["train", "--help"]):
         code, out = invoke(*args)
         assert code in (0, 2) and "Usage" in out, args
     code, out = invoke("--help")

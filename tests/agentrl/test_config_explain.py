@@ -191,3 +191,29 @@ def test_a_list_of_sections_documents_the_keys_of_each_item(plugins: Plugins) ->
     text = format_docs([rewards])
     assert "\n    each item:\n      name  [str, length >= 1, required]: a registered agentrl.rewards plugin\n" in text
     assert "      weight  [float, default 1.0]: " in text
+
+
+def test_diff_lists_the_keys_set_differently_and_keys_only_one_has(plugins: Plugins) -> None:
+    from agentrl.config_explain import MISSING, differences, format_differences
+
+    a = resolve_config(CALCULATOR, plugins=plugins)
+    b = resolve_config({"env": {"name": "math"}, "rollout": {"group_size": 4, "max_staleness": 0}}, plugins=plugins)
+    diffs = {path: (x, y) for path, x, y in differences(a, b)}
+    assert diffs["env.name"] == ("calculator", "math")
+    assert diffs["rollout.max_staleness"] == (1, 0) and "rollout.group_size" not in diffs  # 4 in both
+    assert diffs["env.digits"] == (3, MISSING) and diffs["env.mode"] == (MISSING, "single")
+    text = format_differences(differences(a, b))
+    assert "rollout.max_staleness: 1 -> 0\n" in text and "env.digits: 3 -> (not set)\n" in text
+    assert format_differences(differences(a, a)) == "no differences\n"
+
+
+def test_cli_diff_and_explain_take_a_run_directory(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("env: calculator\nrollout: {group_size: 4}\n")
+    other = tmp_path / "other.yaml"
+    other.write_text("env: calculator\nrollout: {group_size: 4, max_turns: 2}\nsandbox: null\n")
+    code, out = invoke("config", "diff", str(run), str(other))
+    assert code == 0 and out == "rollout.max_turns: 8 -> 2\n"
+    code, out = invoke("config", "explain", str(run), "-k", "rollout.group_size")
+    assert code == 0 and out.startswith("rollout.group_size: 4  [int, >= 1, default 8]")
