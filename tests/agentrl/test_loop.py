@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,14 @@ CALCULATOR_FAST = (
 )
 
 
+def _undocumented(rows: list[dict[str, float]]) -> list[str]:
+    """Metric keys of a run that docs/metrics.md does not list (`<...>` in a key there matches any name)."""
+    documented = re.findall(r"^\| `([^`]+)`", (REPO / "docs" / "metrics.md").read_text(), re.MULTILINE)
+    patterns = [re.compile(".+".join(map(re.escape, re.split(r"<[^>]+>", key))) + "$") for key in documented]
+    keys = {key for row in rows for key in row} - {"step", "time"}
+    return sorted(key for key in keys if not any(p.match(key) for p in patterns))
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -58,6 +67,7 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
     rl_rows = [r for r in rows if r["step"] >= 1 and "grad_norm" in r]
     assert [r["step"] for r in rl_rows] == [1, 2, 3]
     assert all(0 < r["time/weight_sync_s"] < r["time/step_s"] for r in rl_rows)
+    assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
     assert any(r["grad_norm"] > 0 for r in rl_rows), "no RL step had a non-zero gradient"
     assert any(r["step"] == 0 and "eval/reward_mean" in r for r in rows)
     sft = [r for r in rows if "sft/loss" in r]
@@ -139,6 +149,7 @@ def test_math_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
     run = tmp_path / "ci"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "grad_norm" in r] == [1, 2]
+    assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
     assert all(r["grad_norm"] > 0 for r in rows if "grad_norm" in r)
     with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
         trained = [r for r in store.iter_records() if r.status == "trained"]
