@@ -601,6 +601,7 @@ class TorchTrainer:
                 loss = -(logp.float() * b.fields["loss_mask"]).sum() / max(num_tokens, 1)
                 (loss * self.world.size).backward()
             total += float(loss.detach())
+        lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used, as train_step reports it
         grad_norm = self._optimizer_step()
         self.scheduler.step()
         self.step += 1
@@ -609,7 +610,7 @@ class TorchTrainer:
         return {
             "sft/loss": float(all_reduce_sum(total, self.world)[0]),
             "grad_norm": grad_norm,
-            "lr": float(self.scheduler.get_last_lr()[0]),
+            "lr": lr,
             "time/step_s": time.perf_counter() - t0,
             "policy_version": float(self.policy_version),
             **pad,

@@ -184,6 +184,13 @@ def test_sft_step_lowers_loss(tiny_llama_path: str, build: Any) -> None:
     assert last < first
 
 
+def test_sft_step_reports_the_rate_it_used(tiny_llama_path: str, build: Any) -> None:
+    """Like train_step: `lr` is the step's own rate (warmup 0.5, 1.0), not the next step's."""
+    t = trainer(tiny_llama_path, lr=1.0, warmup_steps=2)
+    samples = [tr.tokens() for g in build.groups(1, 2, seed=0) for tr in g.trajectories]
+    assert [t.sft_step(samples)["lr"] for _ in range(3)] == pytest.approx([0.5, 1.0, 1.0])
+
+
 def test_lr_schedule_warmup_then_cosine(tiny_llama_path: str) -> None:
     t = trainer(tiny_llama_path, lr=1.0, warmup_steps=2, schedule="cosine", total_steps=4, min_lr_ratio=0.1)
     lrs = []
