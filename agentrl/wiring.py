@@ -68,9 +68,11 @@ def build_parts(config: RunConfig) -> Parts:
     """Construct env factory, tasks, tokenizer, trainer and engine from the config."""
     plugins = config.registry()
     model_path = resolve_model(config.model.path)
-    env_factory, probe, train_tasks, test_tasks = _env_and_tasks(config)
-    if config.run.eval_every and not test_tasks:  # found out now, not at the first evaluation
-        raise ConfigError(_no_eval_tasks(config))
+    env_factory, probe = _env(config)
+    train_tasks = _tasks(probe, "train", "env")
+    if not train_tasks:
+        raise ConfigError(f"env {config.env.name!r} has no tasks in its train split")
+    test_tasks = _eval_tasks(config, probe, needed=bool(config.run.eval_every))  # found out now, not later
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
     trainer_cls = plugins.registry("trainers").get(config.trainer.name)
     trainer_config = config.trainer.config or trainer_cls.Config(**config.trainer.params)
@@ -82,31 +84,31 @@ def build_parts(config: RunConfig) -> Parts:
 def build_engine_only(config: RunConfig) -> EvalParts:
     """Env, held-out tasks, tokenizer and engine (for `agentrl eval`)."""
     model_path = resolve_model(config.model.path)
-    env_factory, probe, _, test_tasks = _env_and_tasks(config)
+    env_factory, probe = _env(config)
+    test_tasks = _eval_tasks(config, probe, needed=True)
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
     return EvalParts(env_factory, probe, test_tasks, _engine(config, model_path, tokenizer), tokenizer)
 
 
-def _env_and_tasks(config: RunConfig) -> tuple[Callable[[], Env], Env, list[Task], list[Task]]:
-    """The env factory, one probe env (the caller closes it) and the train / held-out tasks."""
+def _env(config: RunConfig) -> tuple[Callable[[], Env], Env]:
+    """The env factory and one probe env (it lists the tasks; the caller closes it)."""
     plugins = config.registry()
 
     def env_factory() -> Env:
         return plugins.create_env(config.env.name, config.env.params)
 
-    probe = env_factory()
-    train_tasks = _split(probe, "train", "env")
-    if not train_tasks:
-        raise ConfigError(f"env {config.env.name!r} has no tasks in its train split")
-    test_tasks = _split(probe, config.run.eval_split, "run.eval_split")[: config.run.eval_tasks]
-    return env_factory, probe, train_tasks, test_tasks
+    return env_factory, env_factory()
 
 
-def _no_eval_tasks(config: RunConfig) -> str:
-    return f"run.eval_split: env {config.env.name!r} has no tasks in split {config.run.eval_split!r}"
+def _eval_tasks(config: RunConfig, probe: Env, *, needed: bool) -> list[Task]:
+    """The held-out tasks of the run's eval settings; none at all is an error when they are `needed`."""
+    tasks = _tasks(probe, config.run.eval_split, "run.eval_split")[: config.run.eval_tasks]
+    if needed and not tasks:
+        raise ConfigError(f"run.eval_split: env {config.env.name!r} has no tasks in split {config.run.eval_split!r}")
+    return tasks
 
 
-def _split(env: Env, split: str, key: str) -> list[Task]:
+def _tasks(env: Env, split: str, key: str) -> list[Task]:
     """The tasks of one split; an env's complaint about the split (an unknown name) is a config error."""
     try:
         return list(env.tasks(split))
@@ -157,8 +159,6 @@ def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, flo
 
 async def evaluate_config(config: RunConfig, parts: Parts | EvalParts) -> EvalResult:
     """Evaluate on the held-out tasks with the run's eval settings."""
-    if not parts.test_tasks:
-        raise ConfigError(_no_eval_tasks(config))
     return await evaluate(
         parts.env_factory,
         parts.test_tasks,
