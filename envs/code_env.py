@@ -28,6 +28,7 @@ from agentrl.registry import check_named_plugin
 from agentrl.types import JSON, Message
 
 from .shared import shared_objects
+from .tool_support import resolve_plugins
 
 _CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -243,10 +244,7 @@ class CodeEnv(Env):
     async def sandbox(self) -> Any:
         """The given sandbox, else the run's shared one for `config.sandbox`."""
         if self._sandbox is None:
-            self._sandbox_key = "sandbox:" + self.cfg.sandbox.model_dump_json()
-            self._sandbox = shared_objects().acquire(
-                self._sandbox_key, lambda: create_sandbox(self.cfg.sandbox, self._plugins)
-            )
+            self._sandbox_key, self._sandbox = acquire_sandbox(self.cfg.sandbox, self._plugins)
         return self._sandbox
 
     async def close(self) -> None:
@@ -255,13 +253,16 @@ class CodeEnv(Env):
             self._sandbox, self._sandbox_key = None, None
 
 
-def create_sandbox(spec: SandboxSpec, plugins: Any = None) -> Any:
-    """The sandbox an env's `sandbox` spec names (`plugins`: the run's registry; None = discover)."""
-    if plugins is None:
-        from agentrl.registry import Plugins
+def acquire_sandbox(spec: SandboxSpec, plugins: Any = None) -> tuple[str, Any]:
+    """The run's shared sandbox for `spec`, made on first use, and the key that releases it.
 
-        plugins = Plugins.discover()
-    return plugins.create_sandbox(spec.name, spec.params, prefix="sandbox.params")
+    `plugins` is the run's registry (None: discover, only when the sandbox is made).
+    """
+    key = "sandbox:" + spec.model_dump_json()
+    sandbox = shared_objects().acquire(
+        key, lambda: resolve_plugins(plugins).create_sandbox(spec.name, spec.params, prefix="sandbox.params")
+    )
+    return key, sandbox
 
 
 def _cap(text: str, limit: int, keep: str = "start") -> str:

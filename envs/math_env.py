@@ -26,11 +26,11 @@ from agentrl.env import EnvConfig, Task
 from agentrl.tools import Tool, tool
 from agentrl.types import JSON, Message
 
-from .code_env import SandboxSpec, create_sandbox
+from .code_env import SandboxSpec, acquire_sandbox
 from .reasoning_gym_env import ReasoningGymConfig, ReasoningGymEnv
 from .reward_specs import NamedReward
 from .shared import shared_objects
-from .tool_support import ToolCapableConfig, ToolCapableEnv, resolve_plugins
+from .tool_support import ToolCapableConfig, ToolCapableEnv
 
 SINGLE_PROMPT = "Solve the problem. Give the final answer as \\boxed{ANSWER}."
 TOOL_PROMPT = (
@@ -153,10 +153,7 @@ class MathEnv(ToolCapableEnv):
         from agentrl.sandboxes.base import ExecRequest
 
         if self._sandbox is None:
-            self._sandbox_key = "sandbox:" + self.cfg.sandbox.model_dump_json()
-            self._sandbox = shared_objects().acquire(
-                self._sandbox_key, lambda: create_sandbox(self.cfg.sandbox, resolve_plugins(self.plugins))
-            )
+            self._sandbox_key, self._sandbox = acquire_sandbox(self.cfg.sandbox, self.plugins)
         result = await self._sandbox.run(
             ExecRequest(
                 code=code,
