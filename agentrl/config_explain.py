@@ -28,10 +28,21 @@ from pydantic_core import PydanticUndefined, to_jsonable_python
 from agentrl.config import DEFAULT_PLUGINS, PLUGIN_SECTIONS, PluginSpec, RunConfig
 from agentrl.errors import ConfigError, closest, model_in
 
-REQUIRED: Final[str] = "(required)"
+
+class _Marker:
+    """A placeholder value that no config can hold (compared by identity), shown as its text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+REQUIRED: Final = _Marker("(required)")
 """The `default` of a key that has none."""
 
-MISSING: Final[str] = "(not set)"
+MISSING: Final = _Marker("(not set)")
 """In a diff: the value of a key the other config does not have."""
 
 SECRET_WORDS = frozenset({"token", "secret", "password", "apikey", "credentials", "authorization"})
@@ -225,8 +236,8 @@ def limits(field: FieldInfo) -> str:
 
 def _show(path: str, value: Any, limit: int = 160) -> str:
     """A value as it would be written in the YAML config (one line, long ones cut, secrets masked)."""
-    if value is REQUIRED or value is MISSING:
-        return str(value)
+    if isinstance(value, _Marker):
+        return value.text
     plain = _masked(path.rsplit(".", 1)[-1], to_jsonable_python(value))
     text: str = yaml.safe_dump(plain, default_flow_style=True, width=10**6, allow_unicode=True)
     text = text.strip().removesuffix("...").strip()
