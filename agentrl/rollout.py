@@ -188,26 +188,30 @@ class RolloutManager:
     def _stall_report(self) -> str:
         """What the gates look like, in words: a stalled run says why, not just that it timed out."""
         cfg = self.config
-        allowed = (self._version - self._v0 + cfg.max_staleness + 1) * cfg.groups_per_step
-        lines = [f"rollouts made no progress for {self._stall_timeout_s:g}s"]
+        allowed = self._groups_allowed()
+        parts = [f"rollouts made no progress for {self._stall_timeout_s:g}s"]
         if self._handed + len(self._live) >= allowed:
-            lines.append(
+            parts.append(
                 f"staleness gate closed: {self._handed} groups handed over and {len(self._live)} live at trainer "
                 f"version {self._version} (started at {self._v0}); max_staleness={cfg.max_staleness} and "
                 f"groups_per_step={cfg.groups_per_step} allow {allowed} until the version moves. "
                 "Call set_trainer_version() after each training step, or raise max_staleness"
             )
         if len(self._ready) + self._waiting_put >= cfg.queue_groups:
-            lines.append(f"back-pressure: {len(self._ready)} finished groups not taken (queue_groups={cfg.queue_groups})")
+            parts.append(f"back-pressure: {len(self._ready)} finished groups not taken (queue_groups={cfg.queue_groups})")
         if self._episodes:
-            lines.append(f"{self._episodes} episodes in flight (each bounded by episode_timeout_s)")
-        return "; ".join(lines)
+            parts.append(f"{self._episodes} episodes in flight (each bounded by episode_timeout_s)")
+        return "; ".join(parts)
+
+    def _groups_allowed(self) -> int:
+        """Groups that may have started (handed over or live) at the trainer's current version."""
+        cfg = self.config
+        return (self._version - self._v0 + cfg.max_staleness + 1) * cfg.groups_per_step
 
     def _can_start(self) -> bool:
         cfg = self.config
         concurrency = self._episodes == 0 or self._episodes + cfg.group_size <= cfg.max_in_flight
-        allowed = (self._version - self._v0 + cfg.max_staleness + 1) * cfg.groups_per_step
-        staleness = self._handed + len(self._live) < allowed
+        staleness = self._handed + len(self._live) < self._groups_allowed()
         back_pressure = len(self._ready) + self._waiting_put < cfg.queue_groups
         return concurrency and staleness and back_pressure
 
