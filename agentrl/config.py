@@ -324,6 +324,12 @@ def _check_sections_agree(config: RunConfig) -> None:
             f"engine.model: got {served!r}, but the engine serves the policy the trainer trains, "
             f"model.path={config.model.path!r}; set model.path instead"
         )
+    context = config.engine.params.get("max_model_len")
+    if context is not None and context < config.rollout.max_total_tokens:
+        raise ConfigError(
+            f"engine.max_model_len={context} is below rollout.max_total_tokens={config.rollout.max_total_tokens}: "
+            "an episode could outgrow what the engine can hold; raise the one or lower the other"
+        )
 
 
 def _without_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:

@@ -109,6 +109,18 @@ def test_trainer_and_sampling_temperatures_must_agree(plugins: Plugins) -> None:
     assert both.trainer.params["temperature"] == 0.7
 
 
+def test_engine_context_must_hold_an_episode(plugins: Plugins) -> None:
+    """vLLM's max_model_len below the episode token budget would fail episodes mid-run: caught at load."""
+    from agentrl.engines.vllm_engine import VLLMEngine
+
+    plugins.engines.add("vllm", VLLMEngine, source="test")  # its Config only: vLLM itself is not imported
+    raw = {**BASE, "engine": {"name": "vllm", "max_model_len": 1024}}
+    msg = error_of(plugins, raw, "rollout.max_total_tokens=4096")
+    assert msg.startswith("engine.max_model_len=1024 is below rollout.max_total_tokens=4096:")
+    fits = resolve(plugins, raw, "rollout.max_total_tokens=1024")
+    assert fits.engine.params["max_model_len"] == 1024
+
+
 def test_trainer_sections_that_would_be_ignored_are_errors(plugins: Plugins) -> None:
     msg = error_of(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "grpo", "critic": {}}})
     assert "trainer.critic is only used by trainer.advantage='gae' (got 'grpo')" in msg

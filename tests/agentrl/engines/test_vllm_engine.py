@@ -195,6 +195,38 @@ async def test_finish_old_lets_running_requests_finish_on_old_weights(engine: An
     assert _max_diff(out.logprobs, _logprobs(old, PROMPT, out.ids)) < 1e-4
 
 
+@pytest.mark.asyncio(loop_scope="module")
+async def test_timeout_and_cancellation_abort_the_request_in_vllm(engine: Any) -> None:
+    """A generate call that times out or is cancelled leaves no request running inside vLLM."""
+
+    def unfinished() -> int:
+        return int(engine._llm.output_processor.get_num_unfinished_requests())
+
+    engine.config.stop_on_eos = False
+    engine.config.request_timeout_s = 0.3
+    try:
+        with pytest.raises(TimeoutError):
+            await engine.generate(PROMPT, Sampling(max_tokens=1000, seed=1))
+    finally:
+        engine.config.request_timeout_s = 600.0
+    try:
+        task = asyncio.create_task(engine.generate(PROMPT, Sampling(max_tokens=1000, seed=2)))
+        await asyncio.sleep(0.3)
+        assert unfinished() == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        engine.config.stop_on_eos = True
+    async with asyncio.timeout(30):
+        while unfinished():
+            await asyncio.sleep(0.05)
+    health = await engine.health()
+    assert health.ok and health.in_flight == 0
+    out = await engine.generate(PROMPT, Sampling(max_tokens=4, seed=3))  # still serving
+    assert len(out.ids) == 4
+
+
 def test_engine_args_are_checked(tiny_llama64_path: str) -> None:
     from agentrl.engines.vllm_engine import VLLMEngine
 
