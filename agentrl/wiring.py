@@ -7,6 +7,7 @@ engine, torch trainer) are imported only when built.
 
 from __future__ import annotations
 
+import inspect
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -122,7 +123,10 @@ def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> Inf
     params = dict(config.engine.params)
     if "model" in engine_cls.Config.model_fields:
         params["model"] = model_path
-    engine: InferenceEngine = engine_cls.from_config(engine_cls.Config(**params), tokenizer=tokenizer)
+    extra: dict[str, Any] = {}
+    if "plugins" in inspect.signature(engine_cls.from_config).parameters:
+        extra["plugins"] = config.registry()  # an engine made of engines (`ray`) finds the run's plugins too
+    engine: InferenceEngine = engine_cls.from_config(engine_cls.Config(**params), tokenizer=tokenizer, **extra)
     return engine
 
 

@@ -121,6 +121,21 @@ def test_engine_context_must_hold_an_episode(plugins: Plugins) -> None:
     assert fits.engine.params["max_model_len"] == 1024
 
 
+def test_ray_pool_replica_engine_is_checked_at_load(plugins: Plugins) -> None:
+    """A misspelt replica engine or option fails when the config loads, not when Ray starts the replicas."""
+    from agentrl.engines.ray_pool import RayEnginePool
+
+    plugins.engines.add("ray", RayEnginePool, source="test")  # its Config only: Ray itself is not imported
+    msg = error_of(plugins, {**BASE, "engine": {"name": "ray", "replica": {"name": "fak"}}})
+    assert msg == (
+        "engine.replica: got {'name': 'fak'}; name: unknown engine 'fak'; did you mean 'fake'? (available: fake, ray)"
+    )
+    msg = error_of(plugins, {**BASE, "engine": {"name": "ray", "replica": {"name": "ray"}}})
+    assert "a ray replica cannot itself be a ray pool" in msg
+    ok = resolve(plugins, {**BASE, "engine": {"name": "ray", "replicas": 3, "replica": {"name": "fake"}}})
+    assert ok.engine.params["replicas"] == 3
+
+
 def test_trainer_sections_that_would_be_ignored_are_errors(plugins: Plugins) -> None:
     msg = error_of(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "grpo", "critic": {}}})
     assert "trainer.critic is only used by trainer.advantage='gae' (got 'grpo')" in msg
