@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.types import Completion
 
@@ -106,3 +108,38 @@ class InferenceEngine(Protocol):
     async def health(self) -> EngineHealth: ...
 
     async def close(self) -> None: ...
+
+
+class CheckpointConfig(BaseModel):
+    """Config fields naming the checkpoint an engine serves; in a run they follow the `model` section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(
+        default="smollm2-135m-instruct",
+        description="local path, alias or hub id; in a run always model.path (set that)",
+    )
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto",
+        description="weight dtype; auto = the checkpoint's own (in a run it defaults to model.dtype)",
+    )
+
+
+class ServingConfig(CheckpointConfig):
+    """Config fields every engine that runs a model has: weight-update mode, eos, seed, deadlines."""
+
+    update_mode: Literal["finish_old", "continue_new"] = Field(
+        default="continue_new",
+        description="continue_new: running requests go on with the new weights; "
+        "finish_old: they finish on the old ones first",
+    )
+    stop_on_eos: bool = Field(default=True, description="also stop at the model's eos ids")
+    seed: int = Field(default=0, description="seed of the sampler for requests that carry no seed of their own")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="seconds a generate call may wait for its completion"
+    )
+    update_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds per update_weights call, finish_old's wait for running requests included",
+    )

@@ -42,12 +42,12 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from agentrl.engines.base import EngineHealth, Sampling, WeightSource
+from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, WeightSource
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
 from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
@@ -92,39 +92,12 @@ class _Batch:
 class HFEngine:
     """A transformers model serving many concurrent requests from one worker thread."""
 
-    class Config(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
-        model: str = Field(
-            default="smollm2-135m-instruct",
-            description="local path, alias or hub id; in a run always model.path (set that)",
-        )
-        dtype: Literal["auto", "bf16", "fp32"] = Field(
-            default="auto",
-            description="weight dtype; auto = the checkpoint's own (in a run it defaults to model.dtype)",
-        )
+    class Config(ServingConfig):
         autocast_bf16: bool = Field(default=False, description="fp32 weights, bf16 autocast matmuls (CPU)")
         max_batch_size: int = Field(
             default=32, ge=1, description="most requests decoded together; others wait for a free row"
         )
         device: str = Field(default="cpu", description="torch device of the model (cpu, cuda, cuda:0, ...)")
-        update_mode: Literal["finish_old", "continue_new"] = Field(
-            default="continue_new",
-            description="continue_new: running requests go on with the new weights; "
-            "finish_old: they finish on the old ones first",
-        )
-        stop_on_eos: bool = Field(default=True, description="also stop at the model's eos ids")
-        request_timeout_s: float = Field(
-            default=600.0, gt=0, description="seconds a generate call may wait for its completion"
-        )
-        update_timeout_s: float = Field(
-            default=600.0,
-            gt=0,
-            description="seconds per update_weights call, finish_old's wait for running requests included",
-        )
-        seed: int = Field(
-            default=0, description="seed of the sampler for requests that carry no seed of their own"
-        )
         prefix_cache_tokens: int = Field(
             default=32768, ge=0, description="tokens of KV kept for prefix reuse across requests; 0 disables"
         )

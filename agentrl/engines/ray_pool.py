@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-from agentrl.engines.base import EngineHealth, Sampling, WeightSource
+from agentrl.engines.base import CheckpointConfig, EngineHealth, Sampling, WeightSource
 from agentrl.engines.routing import PrefixRouter
 from agentrl.registry import Plugins, check_named_plugin
 from agentrl.types import Completion
@@ -94,16 +94,7 @@ class ReplicaDied(RuntimeError):
 class RayEnginePool:
     """Engine replicas as Ray actors with prefix-affinity routing and object-store weight broadcast."""
 
-    class Config(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
-        model: str = Field(
-            default="smollm2-135m-instruct",
-            description="local path, alias or hub id every replica serves; in a run always model.path (set that)",
-        )
-        dtype: Literal["auto", "bf16", "fp32"] = Field(
-            default="auto", description="weight dtype of every replica; auto = the checkpoint's own"
-        )
+    class Config(CheckpointConfig):
         replicas: int = Field(default=2, ge=1, description="engine replicas (Ray actors)")
         replica: ReplicaSpec = Field(default_factory=ReplicaSpec, description="the engine each replica runs")
         address: str | None = Field(

@@ -29,11 +29,11 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from agentrl.engines.base import EngineHealth, Sampling, WeightSource
+from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, WeightSource
 from agentrl.engines.models import resolve_model
 from agentrl.types import Completion, FinishReason
 
@@ -50,16 +50,7 @@ class VLLMEngineClosed(RuntimeError):
 class VLLMEngine:
     """vLLM's AsyncLLM serving token ids, with exact logprobs and per-token versions."""
 
-    class Config(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
-        model: str = Field(
-            default="smollm2-135m-instruct",
-            description="local path, alias or hub id; in a run always model.path (set that)",
-        )
-        dtype: Literal["auto", "bf16", "fp32"] = Field(
-            default="auto", description="weight dtype; auto = the checkpoint's own"
-        )
+    class Config(ServingConfig):
         max_num_seqs: int = Field(default=32, ge=1, description="most requests vLLM runs in one batch")
         max_model_len: int | None = Field(
             default=None, ge=16, description="longest prompt + completion in tokens; None = the model's own"
@@ -76,20 +67,6 @@ class VLLMEngine:
         enforce_eager: bool = Field(
             default=True,
             description="no CUDA graphs or torch.compile: starts in seconds; set false on a GPU for speed",
-        )
-        update_mode: Literal["finish_old", "continue_new"] = Field(
-            default="continue_new",
-            description="continue_new: running requests go on with the new weights (KV recomputed); "
-            "finish_old: they finish on the old ones first",
-        )
-        stop_on_eos: bool = Field(default=True, description="also stop at the model's eos ids")
-        seed: int = Field(default=0, description="seed of the sampler for requests that carry no seed of their own")
-        request_timeout_s: float = Field(
-            default=600.0, gt=0, description="seconds a generate call may wait for its completion"
-        )
-        update_timeout_s: float = Field(
-            default=600.0, gt=0,
-            description="seconds per update_weights call, finish_old's wait for running requests included",
         )
         weights_dir: str | None = Field(
             default=None,

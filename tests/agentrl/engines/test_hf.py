@@ -11,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from engine_reference import reference_logprobs  # noqa: E402
+
 from agentrl.engines.base import InferenceEngine, Sampling  # noqa: E402
 from agentrl.engines.hf import EngineClosed, HFEngine  # noqa: E402
 
@@ -39,23 +41,6 @@ async def staggered(eng: HFEngine, ps: Sequence[list[int]], samplings: Sequence[
         while eng.steps < start + 2 and not all(t.done() for t in tasks):
             await asyncio.sleep(0.001)
     return await asyncio.wait_for(asyncio.gather(*tasks), 120)
-
-
-def reference_logprobs(model: Any, prompt: list[int], ids: list[int], temperature: float = 1.0,
-                       top_k: int = 0, top_p: float = 1.0) -> Any:
-    """Logprob of each sampled id under a plain forward pass of the same weights, same filters."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float() / temperature
-    if top_k:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        remove = (probs.cumsum(-1) - probs) > top_p
-        remove[:, 0] = False
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
-    return logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
 
 
 async def test_logprobs_match_a_forward_pass(engine: HFEngine) -> None:

@@ -7,22 +7,18 @@ start); the test that kills a replica runs last.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from engine_reference import load_model, max_diff, reference_logprobs, train_on_engine
 
 from agentrl.engines.base import Sampling
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray]
 
-REPO = Path(__file__).resolve().parents[3]
 PROMPT = [1, 28, 300, 4000, 17, 9, 44, 45, 46, 47, 48, 49]
 
 
@@ -40,42 +36,17 @@ async def pool(tiny_llama_path: str) -> AsyncIterator[Any]:
     await engine.close()
 
 
-def _model(path: str, seed: int | None = None) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if seed is not None:
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
-
-
-def _logprobs(model: Any, prompt: list[int], ids: list[int]) -> list[float]:
-    import torch
-
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1)[torch.arange(len(ids)), torch.tensor(ids)].tolist()
-
-
-def _max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
 async def _routed(pool: Any) -> list[int]:
     return list((await pool.health()).detail["requests_per_replica"])
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_replicas_serve_exact_logprobs_and_share_the_load(pool: Any, tiny_llama_path: str) -> None:
-    model = _model(tiny_llama_path)
+    model = load_model(tiny_llama_path)
     prompts = [[1, 60 + i, 70 + i, 80 + i, 90 + i] for i in range(8)]
     outs = await asyncio.gather(*(pool.generate(p, Sampling(max_tokens=12, seed=i)) for i, p in enumerate(prompts)))
     assert all(o.prompt_ids == p for o, p in zip(outs, prompts, strict=True))
-    assert max(_max_diff(o.logprobs, _logprobs(model, p, o.ids)) for o, p in zip(outs, prompts, strict=True)) < 1e-4
+    assert max(max_diff(o.logprobs, reference_logprobs(model, p, o.ids)) for o, p in zip(outs, prompts, strict=True)) < 1e-4
     assert all(o.versions == [0] * len(o.ids) for o in outs)
     per_replica = await _routed(pool)
     assert min(per_replica) >= 2, f"one replica did (almost) all the work: {per_replica}"
@@ -105,13 +76,13 @@ async def test_the_next_turn_goes_to_the_replica_holding_the_conversation(pool: 
 async def test_a_weight_update_reaches_every_replica(pool: Any, tiny_llama_path: str) -> None:
     from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 
-    new = _model(tiny_llama_path, seed=3)
+    new = load_model(tiny_llama_path, seed=3)
     await pool.update_weights(NamedTensorBuckets(lambda: hf_named_tensors(new), bucket_mb=0.2), 1)
     assert pool.policy_version == 1
     for replica in pool._replicas:  # each replica on its own, not whichever the router picks
         out = await replica.generate.remote(PROMPT, Sampling(max_tokens=12, seed=5))
         assert out.versions == [1] * 12
-        assert _max_diff(out.logprobs, _logprobs(new, PROMPT, out.ids)) < 1e-4
+        assert max_diff(out.logprobs, reference_logprobs(new, PROMPT, out.ids)) < 1e-4
     assert (await pool.health()).policy_version == 1
 
 
@@ -132,22 +103,7 @@ async def test_a_dead_replica_is_routed_around_and_reported(pool: Any) -> None:
 
 def test_agentrl_train_on_a_ray_pool(tmp_path: Path, tiny_llama_path: str) -> None:
     """The whole loop with two replicas: every step's weights reach both (mismatch stays at rounding level)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "train", str(REPO / "examples" / "calculator.yaml"),
-         f"model.path={tiny_llama_path}", f"run.output_dir={tmp_path}", "run.name=ci",
-         "engine={name: ray, dtype: fp32, replicas: 2, num_cpus: 1, block_tokens: 16}",
-         "trainer.dtype=fp32", "trainer.lora=null", "trainer.lr=1e-3", "trainer.entropy_coef=0.01",
-         "run.steps=2", "run.eval_every=0", "run.save_every=100", "run.loggers=[jsonl]", "warm_start.steps=0",
-         "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=12",
-         "rollout.max_turns=2", "rollout.max_staleness=0"],
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "ci" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "grad_norm" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["grad_norm"] > 0 for r in steps)
+    steps = train_on_engine(tmp_path, tiny_llama_path, "{name: ray, dtype: fp32, replicas: 2, num_cpus: 1, block_tokens: 16}", steps=2)
     mismatch = [r["off_policy/mismatch_kl"] for r in steps]
     print(f"ray pool, 2 steps: off_policy/mismatch_kl per step = {mismatch}")
     assert all(0 <= m < 1e-6 for m in mismatch), mismatch
