@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import math
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -157,6 +158,8 @@ class RayEnginePool:
         )  # fmt: skip
         self.policy_version = 0
         self.retried = 0
+        self._busy_s = [0.0] * cfg.replicas  # per replica: time with a request of ours in flight there
+        self._busy_since = [0.0] * cfg.replicas
         self._update_lock: asyncio.Lock | None = None
         self._closed = False
         try:
@@ -179,6 +182,8 @@ class RayEnginePool:
         async with asyncio.timeout(self.config.request_timeout_s):
             while True:
                 replica = self._router.choose(prompt)
+                if self._router.in_flight[replica] == 1:
+                    self._busy_since[replica] = time.monotonic()
                 served: list[int] | None = None
                 ref = self._replicas[replica].generate.remote(prompt, sampling)
                 try:
@@ -197,6 +202,8 @@ class RayEnginePool:
                     self.retried += 1  # a generate call has no side effects: serve it elsewhere
                 finally:
                     self._router.release(replica, served)
+                    if self._router.in_flight[replica] == 0:
+                        self._busy_s[replica] += time.monotonic() - self._busy_since[replica]
 
     async def update_weights(self, weights: WeightSource, version: int) -> None:
         """Put each bucket into the object store once; every live replica loads them all."""
@@ -218,6 +225,15 @@ class RayEnginePool:
             if not any(self._router.alive):
                 raise ReplicaDied("every engine replica is dead")
             self.policy_version = version
+
+    def busy_seconds(self) -> float:
+        """Mean over replicas of the time each had a request in flight (what `rollout/engine_busy` reads)."""
+        now = time.monotonic()
+        busy = [
+            b + (now - since if n else 0.0)
+            for b, since, n in zip(self._busy_s, self._busy_since, self._router.in_flight, strict=True)
+        ]
+        return sum(busy) / len(busy)
 
     async def health(self) -> EngineHealth:
         live = [i for i, ok in enumerate(self._router.alive) if ok]

@@ -260,11 +260,14 @@ class VLLMEngine:
     def _serving_dtype(self) -> Any:
         return self._llm.model_config.dtype
 
+    def busy_seconds(self) -> float:
+        """Seconds since start with at least one request in vLLM (what `rollout/engine_busy` reads)."""
+        return self._busy_s + (time.monotonic() - self._busy_since if self._in_flight else 0.0)
+
     def busy_fraction(self) -> float:
         """Share of wall time since start with at least one request in flight."""
-        busy = self._busy_s + (time.monotonic() - self._busy_since if self._in_flight else 0.0)
         wall = time.monotonic() - self._t0
-        return min(1.0, busy / wall) if wall > 0 else 0.0
+        return min(1.0, self.busy_seconds() / wall) if wall > 0 else 0.0
 
     async def health(self) -> EngineHealth:
         return EngineHealth(

@@ -80,4 +80,5 @@ def train_on_engine(run_dir: Path, model: str, engine: str, steps: int) -> list[
     steps_rows = [r for r in rows if "grad_norm" in r]
     assert [r["step"] for r in steps_rows] == list(range(1, steps + 1))
     assert all(r["grad_norm"] > 0 and r["time/weight_sync_s"] > 0 for r in steps_rows)
+    assert all(0 < r["rollout/engine_busy"] <= 1 for r in steps_rows)
     return steps_rows
