@@ -192,6 +192,31 @@ async def test_timeout_and_cancellation_abort_the_request_in_vllm(engine: Any) -
     assert len(out.ids) == 4
 
 
+@pytest.mark.ray
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_vllm_replica_in_a_ray_pool(tiny_llama64_path: str) -> None:
+    """vLLM inside a Ray actor (the OpenRLHF layout): exact logprobs, and weights through the object store."""
+    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+
+    from agentrl.engines.ray_pool import RayEnginePool, ReplicaSpec
+
+    pool = RayEnginePool(RayEnginePool.Config(
+        model=tiny_llama64_path, dtype="fp32", replicas=1, num_cpus=0,
+        replica=ReplicaSpec(name="vllm", params={"kv_cache_gb": 0.25, "max_model_len": 1024}),
+    ))  # fmt: skip
+    try:
+        out = await pool.generate(PROMPT, Sampling(max_tokens=12, seed=1))
+        assert max_diff(out.logprobs, reference_logprobs(load_model(tiny_llama64_path), PROMPT, out.ids)) < 1e-4
+        new = load_model(tiny_llama64_path, seed=21)
+        await pool.update_weights(NamedTensorBuckets(lambda: hf_named_tensors(new), bucket_mb=0.3), 1)
+        out = await pool.generate(PROMPT, Sampling(max_tokens=12, seed=1))
+        assert out.versions == [1] * 12
+        assert max_diff(out.logprobs, reference_logprobs(new, PROMPT, out.ids)) < 1e-4
+        assert (await pool.health()).ok and pool.busy_seconds() > 0
+    finally:
+        await pool.close()
+
+
 def test_engine_args_are_checked(tiny_llama64_path: str) -> None:
     from agentrl.engines.vllm_engine import VLLMEngine
 
