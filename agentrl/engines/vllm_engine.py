@@ -70,8 +70,9 @@ class VLLMEngine:
         )
         weights_dir: str | None = Field(
             default=None,
-            description="where weight buckets are written on their way to vLLM's workers; "
-            "None = /dev/shm (memory) where it exists, else the temp dir",
+            description="where weight buckets are written on their way to vLLM's workers (about one model's "
+            "size at a time); None = /dev/shm (memory) where it exists, else the temp dir; in a container "
+            "with a small /dev/shm (Docker's default is 64 MB) set a disk path",
         )
         engine_args: dict[str, Any] = Field(
             default_factory=dict,
