@@ -32,9 +32,9 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 
 from agentrl.env import Env, EnvConfig
 from agentrl.errors import ConfigError, PluginError, closest, config_error
@@ -470,6 +470,28 @@ def check_named_plugin(
             plugins.validate_params(kind, name, params, prefix="params")
     except PluginError as e:
         raise ValueError(f"name: {e}") from None
+
+
+class PluginSpec(BaseModel):
+    """A plugin named in a config with its own params: `{name: ..., params: {...}}`.
+
+    Subclasses set `kind` (the registry kind) and declare `name` and `params`
+    (their defaults, descriptions and place among the subclass's own fields).
+    Name and params are checked against the run's registry when the config
+    loads (`check_named_plugin`), not when the plugin is first built.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: ClassVar[str]
+    if TYPE_CHECKING:  # declared by each subclass, so that they keep their field order
+        name: str
+        params: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _check_now(self, info: ValidationInfo) -> Self:
+        check_named_plugin(info.context, self.kind, self.name, self.params)
+        return self
 
 
 def _takes_keyword(cls: type, name: str) -> bool:

@@ -21,10 +21,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import Field
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
-from agentrl.registry import check_named_plugin
+from agentrl.registry import PluginSpec
 from agentrl.types import JSON, Message
 
 from .shared import shared_objects
@@ -39,19 +39,12 @@ INSTRUCTIONS = (
 )
 
 
-class SandboxSpec(BaseModel):
-    """Which sandbox plugin runs the programs, and its params."""
+class SandboxSpec(PluginSpec):
+    """Which sandbox plugin runs the programs, and its params (checked when the config loads)."""
 
-    model_config = ConfigDict(extra="forbid")
-
+    kind: ClassVar[str] = "sandboxes"
     name: str = Field("local", description="sandbox plugin name, e.g. local, docker, e2b, sandboxfusion")
     params: dict[str, JSON] = Field(default_factory=dict, description="options of that sandbox plugin (its Config)")
-
-    @model_validator(mode="after")
-    def _check_now(self, info: ValidationInfo) -> SandboxSpec:
-        """Name and params are checked when the config loads, not when the first episode makes the sandbox."""
-        check_named_plugin(info.context, "sandboxes", self.name, self.params)
-        return self
 
 
 class CodeConfig(EnvConfig):

@@ -9,32 +9,25 @@ module) and `score_all` combines them with `agentrl.rewards.weighted`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import Field
 
 from agentrl.env import Task
-from agentrl.registry import check_named_plugin
+from agentrl.registry import PluginSpec
 from agentrl.rewards import Reward, RewardResult, weighted
 from agentrl.types import JSON, Message
 
 NamedReward = tuple[str, float, Reward]
 
 
-class RewardSpec(BaseModel):
-    """One reward plugin by name, its weight in the mix and its own params."""
+class RewardSpec(PluginSpec):
+    """One reward plugin by name, its weight in the mix and its own params (checked when the config loads)."""
 
-    model_config = ConfigDict(extra="forbid")
-
+    kind: ClassVar[str] = "rewards"
     name: str = Field(..., min_length=1, description="a registered agentrl.rewards plugin")
     weight: float = Field(1.0, description="multiplier of this reward in the weighted sum")
     params: dict[str, JSON] = Field(default_factory=dict, description="options of that reward plugin (its Config)")
-
-    @model_validator(mode="after")
-    def _check_now(self, info: ValidationInfo) -> RewardSpec:
-        """Name and params are checked when the config loads, not when the first episode is scored."""
-        check_named_plugin(info.context, "rewards", self.name, self.params)
-        return self
 
 
 class FunctionReward:

@@ -27,33 +27,29 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import Field, field_validator
 
 from agentrl.engines.base import CheckpointConfig, EngineHealth, Sampling, WeightSource
 from agentrl.engines.routing import PrefixRouter
-from agentrl.registry import Plugins, check_named_plugin
-from agentrl.types import Completion
-
-JSON = Any
+from agentrl.registry import Plugins, PluginSpec
+from agentrl.types import JSON, Completion
 
 
-class ReplicaSpec(BaseModel):
+class ReplicaSpec(PluginSpec):
     """The engine plugin each replica runs, and its params (model and dtype come from the pool)."""
 
-    model_config = ConfigDict(extra="forbid")
-
+    kind: ClassVar[str] = "engines"
     name: str = Field(default="hf", description="engine plugin of each replica, e.g. hf or vllm")
     params: dict[str, JSON] = Field(default_factory=dict, description="options of that engine (its Config)")
 
-    @model_validator(mode="after")
-    def _check_now(self, info: ValidationInfo) -> ReplicaSpec:
-        """Name and params are checked when the config loads, not when the replicas start."""
-        if self.name == "ray":
-            raise ValueError("name: a ray replica cannot itself be a ray pool")
-        check_named_plugin(info.context, "engines", self.name, self.params)
-        return self
+    @field_validator("name")
+    @classmethod
+    def _not_a_pool(cls, name: str) -> str:
+        if name == "ray":
+            raise ValueError("a ray replica cannot itself be a ray pool")
+        return name
 
 
 class _Replica:
