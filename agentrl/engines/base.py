@@ -9,6 +9,7 @@ The contract is shaped so that vLLM's AsyncLLM fits without an adapter layer
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -66,6 +67,38 @@ _SLOT_SETTERS = tuple(getattr(Sampling, f.name).__set__ for f in dataclasses.fie
 assert tuple(f.name for f in dataclasses.fields(Sampling)) == (
     "max_tokens", "temperature", "top_p", "top_k", "stop_ids", "stop_strings", "seed"
 ), "Sampling.for_turn unpacks _SLOT_SETTERS in this order"
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed (or can serve no more) while a request was waiting or running."""
+
+
+class BusyClock:
+    """Seconds during which at least one request was in flight: `enter()`/`leave()` around each request.
+
+    What engines whose model runs elsewhere (another process, other actors)
+    report as `busy_seconds()`, the input of `rollout/engine_busy`.
+    """
+
+    __slots__ = ("_since", "_total", "active")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def enter(self) -> None:
+        if self.active == 0:
+            self._since = time.monotonic()
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._total += time.monotonic() - self._since
+
+    def seconds(self) -> float:
+        return self._total + (time.monotonic() - self._since if self.active else 0.0)
 
 
 @dataclass(slots=True)

@@ -47,15 +47,12 @@ from typing import Any, Protocol
 import torch
 from pydantic import Field
 
+from agentrl.engines.base import EngineClosed as EngineClosed  # re-exported: callers catch it from here
 from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, WeightSource
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
 from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
 from agentrl.types import Completion, FinishReason
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed while a request was waiting or running."""
 
 
 class _Decoder(Protocol):

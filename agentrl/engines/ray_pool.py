@@ -25,13 +25,19 @@ import asyncio
 import contextlib
 import math
 import os
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from agentrl.engines.base import CheckpointConfig, EngineHealth, Sampling, WeightSource
+from agentrl.engines.base import (
+    BusyClock,
+    CheckpointConfig,
+    EngineClosed,
+    EngineHealth,
+    Sampling,
+    WeightSource,
+)
 from agentrl.engines.routing import PrefixRouter
 from agentrl.registry import Plugins, PluginSpec
 from agentrl.types import JSON, Completion
@@ -84,7 +90,7 @@ class _Buckets:
         yield from self._buckets
 
 
-class ReplicaDied(RuntimeError):
+class ReplicaDied(EngineClosed):
     """Every replica of the pool is dead (or the last one died while serving the request)."""
 
 
@@ -154,8 +160,7 @@ class RayEnginePool:
         )  # fmt: skip
         self.policy_version = 0
         self.retried = 0
-        self._busy_s = [0.0] * cfg.replicas  # per replica: time with a request of ours in flight there
-        self._busy_since = [0.0] * cfg.replicas
+        self._busy = [BusyClock() for _ in range(cfg.replicas)]  # per replica: time with a request of ours there
         self._update_lock: asyncio.Lock | None = None
         self._closed = False
         try:
@@ -173,13 +178,12 @@ class RayEnginePool:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
         if self._closed:
-            raise ReplicaDied("ray engine pool is closed")
+            raise EngineClosed("ray engine pool is closed")
         prompt = list(prompt_ids)
         async with asyncio.timeout(self.config.request_timeout_s):
             while True:
                 replica = self._router.choose(prompt)
-                if self._router.in_flight[replica] == 1:
-                    self._busy_since[replica] = time.monotonic()
+                self._busy[replica].enter()
                 served: list[int] | None = None
                 ref = self._replicas[replica].generate.remote(prompt, sampling)
                 try:
@@ -198,8 +202,7 @@ class RayEnginePool:
                     self.retried += 1  # a generate call has no side effects: serve it elsewhere
                 finally:
                     self._router.release(replica, served)
-                    if self._router.in_flight[replica] == 0:
-                        self._busy_s[replica] += time.monotonic() - self._busy_since[replica]
+                    self._busy[replica].leave()
 
     async def update_weights(self, weights: WeightSource, version: int) -> None:
         """Put each bucket into the object store once; every live replica loads them all."""
@@ -224,12 +227,7 @@ class RayEnginePool:
 
     def busy_seconds(self) -> float:
         """Mean over replicas of the time each had a request in flight (what `rollout/engine_busy` reads)."""
-        now = time.monotonic()
-        busy = [
-            b + (now - since if n else 0.0)
-            for b, since, n in zip(self._busy_s, self._busy_since, self._router.in_flight, strict=True)
-        ]
-        return sum(busy) / len(busy)
+        return sum(clock.seconds() for clock in self._busy) / len(self._busy)
 
     async def health(self) -> EngineHealth:
         live = [i for i, ok in enumerate(self._router.alive) if ok]

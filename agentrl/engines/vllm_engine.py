@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import Field
 
-from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, WeightSource
+from agentrl.engines.base import BusyClock, EngineClosed, EngineHealth, Sampling, ServingConfig, WeightSource
 from agentrl.engines.models import resolve_model
 from agentrl.types import Completion, FinishReason
 
@@ -41,10 +41,6 @@ _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 # Engine args this engine sets itself: `engine_args` may not override them.
 _OWN_ARGS = frozenset({"model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls"})
-
-
-class VLLMEngineClosed(RuntimeError):
-    """generate() on a closed engine, or a request vLLM aborted (engine shut down or failed)."""
 
 
 class VLLMEngine:
@@ -122,10 +118,8 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._update_lock: asyncio.Lock | None = None
         self._closed = False
-        self._in_flight = 0
         self._t0 = time.monotonic()
-        self._busy_s = 0.0
-        self._busy_since = 0.0
+        self._busy = BusyClock()
         self.tokens_generated = 0
         self.updates = 0
         self.last_update_s = 0.0
@@ -160,7 +154,7 @@ class VLLMEngine:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
         if self._closed:
-            raise VLLMEngineClosed("vllm engine is closed")
+            raise EngineClosed("vllm engine is closed")
         if not prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
         from vllm.inputs import TokensPrompt
@@ -171,7 +165,7 @@ class VLLMEngine:
         prompt = list(prompt_ids)
         request_id = f"agentrl-{next(self._ids)}"
         final = None
-        self._enter()
+        self._busy.enter()
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 async for out in self._llm.generate(
@@ -179,15 +173,15 @@ class VLLMEngine:
                 ):
                     final = out
         finally:
-            self._leave()
+            self._busy.leave()
         if final is None or not final.outputs:
-            raise VLLMEngineClosed(f"vllm returned nothing for request {request_id}")
+            raise EngineClosed(f"vllm returned nothing for request {request_id}")
         return self._completion(prompt, final.outputs[0])
 
     def _completion(self, prompt: list[int], out: Any) -> Completion:
         reason = _FINISH.get(str(out.finish_reason))
         if reason is None:
-            raise VLLMEngineClosed(f"vllm ended the request with finish_reason={out.finish_reason!r}")
+            raise EngineClosed(f"vllm ended the request with finish_reason={out.finish_reason!r}")
         ids = list(out.token_ids)
         logprobs = [entry[tok].logprob for tok, entry in zip(ids, out.logprobs or [], strict=True)]
         versions = [self.policy_version] * len(ids)
@@ -196,22 +190,12 @@ class VLLMEngine:
         self.tokens_generated += len(ids)
         return Completion(prompt, ids, logprobs, versions, reason, text=out.text or "")
 
-    def _enter(self) -> None:
-        if self._in_flight == 0:
-            self._busy_since = time.monotonic()
-        self._in_flight += 1
-
-    def _leave(self) -> None:
-        self._in_flight -= 1
-        if self._in_flight == 0:
-            self._busy_s += time.monotonic() - self._busy_since
-
     # -- weights, health, lifecycle -------------------------------------------------------------
 
     async def update_weights(self, weights: WeightSource, version: int) -> None:
         """Load named tensors (HF names) into vLLM's workers in place, then serve `version`."""
         if self._closed:
-            raise VLLMEngineClosed("vllm engine is closed")
+            raise EngineClosed("vllm engine is closed")
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
         started = time.monotonic()
@@ -263,7 +247,7 @@ class VLLMEngine:
 
     def busy_seconds(self) -> float:
         """Seconds since start with at least one request in vLLM (what `rollout/engine_busy` reads)."""
-        return self._busy_s + (time.monotonic() - self._busy_since if self._in_flight else 0.0)
+        return self._busy.seconds()
 
     def busy_fraction(self) -> float:
         """Share of wall time since start with at least one request in flight."""
@@ -274,7 +258,7 @@ class VLLMEngine:
         return EngineHealth(
             ok=not self._closed and self._llm is not None and not self._llm.errored,
             policy_version=self.policy_version,
-            in_flight=self._in_flight,
+            in_flight=self._busy.active,
             busy_fraction=self.busy_fraction(),
             detail={
                 "tokens": self.tokens_generated,
