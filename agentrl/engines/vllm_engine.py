@@ -163,6 +163,7 @@ class VLLMEngine:
             await self._llm.update_weight_version(str(self.policy_version))
             self._versioned = True
         prompt = list(prompt_ids)
+        started_on = self.policy_version
         request_id = f"agentrl-{next(self._ids)}"
         final = None
         self._busy.enter()
@@ -176,15 +177,16 @@ class VLLMEngine:
             self._busy.leave()
         if final is None or not final.outputs:
             raise EngineClosed(f"vllm returned nothing for request {request_id}")
-        return self._completion(prompt, final.outputs[0])
+        return self._completion(prompt, final.outputs[0], started_on)
 
-    def _completion(self, prompt: list[int], out: Any) -> Completion:
+    def _completion(self, prompt: list[int], out: Any, started_on: int) -> Completion:
+        """The Completion of vLLM's final output; tokens no weight-version span covers get `started_on`."""
         reason = _FINISH.get(str(out.finish_reason))
         if reason is None:
             raise EngineClosed(f"vllm ended the request with finish_reason={out.finish_reason!r}")
         ids = list(out.token_ids)
         logprobs = [entry[tok].logprob for tok, entry in zip(ids, out.logprobs or [], strict=True)]
-        versions = [self.policy_version] * len(ids)
+        versions = [started_on] * len(ids)
         for span in out.weight_versions or ():
             versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
         self.tokens_generated += len(ids)
