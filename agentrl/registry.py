@@ -449,6 +449,18 @@ class Plugins:
         from_config = getattr(cls, "from_config", None)
         return from_config(config) if from_config is not None else cls(config)
 
+    def create_engine(self, name: str, params: Mapping[str, Any], *, tokenizer: Any = None) -> Any:
+        """Instantiate engine plugin `name` from its Config and `params` (validated there).
+
+        Like `create_env`: an engine whose `from_config` takes a `plugins` keyword
+        (one made of engines, `ray`) gets this registry, so it finds the run's plugins too.
+        """
+        cls = self.engines.get(name)
+        config = cls.Config(**params)
+        if _takes_keyword(cls.from_config, "plugins"):
+            return cls.from_config(config, tokenizer=tokenizer, plugins=self)
+        return cls.from_config(config, tokenizer=tokenizer)
+
 
 def check_named_plugin(
     context: Mapping[str, Any] | None, kind: str, name: str, params: Mapping[str, Any] | None = None
@@ -494,10 +506,10 @@ class PluginSpec(BaseModel):
         return self
 
 
-def _takes_keyword(cls: type, name: str) -> bool:
-    """Whether `cls(...)` accepts a keyword argument called `name` (declared, not via **kwargs)."""
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn(...)` (a class or function) accepts a keyword argument called `name` (declared, not **kwargs)."""
     try:
-        parameter = inspect.signature(cls).parameters.get(name)
+        parameter = inspect.signature(fn).parameters.get(name)
     except (TypeError, ValueError):
         return False
     return parameter is not None and parameter.kind in (

@@ -7,7 +7,6 @@ engine, torch trainer) are imported only when built.
 
 from __future__ import annotations
 
-import inspect
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -119,14 +118,11 @@ def _tasks(env: Env, split: str, key: str) -> list[Task]:
 
 def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> InferenceEngine:
     """The engine serves exactly the weights the trainer starts from (`model.path`)."""
-    engine_cls = config.registry().registry("engines").get(config.engine.name)
+    plugins = config.registry()
     params = dict(config.engine.params)
-    if "model" in engine_cls.Config.model_fields:
+    if "model" in plugins.engines.get(config.engine.name).Config.model_fields:
         params["model"] = model_path
-    extra: dict[str, Any] = {}
-    if "plugins" in inspect.signature(engine_cls.from_config).parameters:
-        extra["plugins"] = config.registry()  # an engine made of engines (`ray`) finds the run's plugins too
-    engine: InferenceEngine = engine_cls.from_config(engine_cls.Config(**params), tokenizer=tokenizer, **extra)
+    engine: InferenceEngine = plugins.create_engine(config.engine.name, params, tokenizer=tokenizer)
     return engine
 
 
