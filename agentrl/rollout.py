@@ -92,8 +92,8 @@ class RolloutManager:
         self._episodes = 0  # episodes started and not finished
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self._dropped: list[tuple[Group, str]] = []
-        busy = getattr(engine, "busy_seconds", None)
-        self._metrics = RolloutMetrics(busy if callable(busy) else None)
+        busy, stats = getattr(engine, "busy_seconds", None), getattr(engine, "stats", None)
+        self._metrics = RolloutMetrics(busy if callable(busy) else None, stats if callable(stats) else None)
 
     # -- public API -----------------------------------------------------------------------
 

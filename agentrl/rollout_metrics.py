@@ -3,14 +3,16 @@
 Keys are flat `rollout/...` names (floats), ready for the store and loggers:
 episodes/s, sampled tokens/s, turns, tool calls per tool, errors by class,
 groups dropped by reason, retries, the staleness histogram of groups handed to
-the trainer, queue depth, in-flight episodes and the engine busy fraction.
+the trainer, queue depth, in-flight episodes, the engine busy fraction and
+the engine's own counters (`rollout/engine/<key>`, from an engine's optional
+`stats()`, e.g. the ray pool's live and restarted replicas).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from agentrl.types import Group, Trajectory
 
@@ -22,8 +24,12 @@ names, so the rest (misspellings, inventions) share `rollout/tool_calls/_other`.
 class RolloutMetrics:
     """Counters since the last `take()`; cheap enough for every finished episode."""
 
-    def __init__(self, busy_seconds: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, busy_seconds: Callable[[], float] | None = None,
+        engine_stats: Callable[[], Mapping[str, float]] | None = None,
+    ) -> None:  # fmt: skip
         self._busy_seconds = busy_seconds
+        self._engine_stats = engine_stats
         self._started = time.monotonic()
         self._tokens_total = 0
         self._tool_names: set[str] = set()
@@ -79,6 +85,9 @@ class RolloutMetrics:
         }
         if self._busy_seconds is not None:
             out["rollout/engine_busy"] = min(1.0, (self._busy_seconds() - self._busy0) / wall)
+        if self._engine_stats is not None:
+            for key, value in self._engine_stats().items():
+                out[f"rollout/engine/{key}"] = float(value)
         for name, n in self.tool_calls.items():
             out[f"rollout/tool_calls/{name}"] = float(n)
         for kind, n in self.errors.items():

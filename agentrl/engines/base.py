@@ -130,6 +130,9 @@ class InferenceEngine(Protocol):
 
     Many concurrent `generate` calls are the normal case; an engine batches them.
     `policy_version` is the version of the weights now serving new tokens.
+    Two optional methods feed the run's metrics: `busy_seconds() -> float`
+    (`rollout/engine_busy`) and `stats() -> Mapping[str, float]` (cheap
+    counters, logged as `rollout/engine/<key>`).
     """
 
     policy_version: int

@@ -15,14 +15,22 @@ the pool's version moves when all replicas serve it.
 
 A replica that dies (its process killed, its node lost) is marked dead: the
 request it was serving is sent once more to a live replica (a generate call
-has no side effects), later requests avoid it, and `health()` reports it.
-Ray is imported only when the pool is built.
+has no side effects) and later requests avoid it. In the background the pool
+then starts a new replica in its place (up to `max_restarts` times per
+replica), loads the weights of the current policy version into it (the pool
+keeps the object-store copy of the last update for this) and only then routes
+to it again, so a restarted replica never serves stale weights. When every
+replica is dead, requests wait for a restart (within their deadline) instead
+of failing. `health()` and `stats()` report all of it. Ray is imported only
+when the pool is built.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -41,6 +49,8 @@ from agentrl.engines.base import (
 from agentrl.engines.routing import PrefixRouter
 from agentrl.registry import Plugins, PluginSpec
 from agentrl.types import JSON, Completion
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaSpec(PluginSpec):
@@ -128,6 +138,14 @@ class RayEnginePool:
             default=600.0, gt=0, description="seconds a generate call may wait for its completion"
         )
         update_timeout_s: float = Field(default=600.0, gt=0, description="seconds per update_weights call")
+        max_restarts: int = Field(
+            default=3, ge=0,
+            description="times the pool replaces each dead replica with a new one loaded with the current "
+            "weights (0 = a dead replica stays dead); needs the last update's weights kept in Ray's object store",
+        )
+        restart_backoff_s: float = Field(
+            default=5.0, ge=0, description="seconds between two attempts to restart the same replica"
+        )
 
     def __init__(self, config: RayEnginePool.Config | None = None, *, plugins: Plugins | None = None) -> None:
         """Start the replicas; `plugins` is the run's registry (default: installed plugins) for `replica.name`."""
@@ -152,14 +170,19 @@ class RayEnginePool:
             params["model"] = cfg.model
         if "dtype" in fields:
             params.setdefault("dtype", cfg.dtype)
-        actor = ray.remote(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, max_restarts=0)(_Replica)
-        self._replicas = [actor.remote(engine_cls, params) for _ in range(cfg.replicas)]
+        self._actor = ray.remote(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, max_restarts=0)(_Replica)
+        self._engine_cls, self._params = engine_cls, params
+        self._replicas = [self._new_replica() for _ in range(cfg.replicas)]
         self._router = PrefixRouter(
             cfg.replicas, block_tokens=cfg.block_tokens, max_imbalance=cfg.max_imbalance,
             min_gain_tokens=cfg.min_gain_tokens, affinity=cfg.routing == "prefix",
         )  # fmt: skip
         self.policy_version = 0
-        self.retried = 0
+        self.retried = 0  # requests sent again after their replica died
+        self.restarted = 0  # dead replicas replaced by a new one that serves the current weights
+        self._attempts = [0] * cfg.replicas  # restart attempts per replica
+        self._restarting: dict[int, asyncio.Task[None]] = {}
+        self._weights: list[Any] = []  # object refs of the last update's buckets (kept for restarts)
         self._busy = [BusyClock() for _ in range(cfg.replicas)]  # per replica: time with a request of ours there
         self._update_lock: asyncio.Lock | None = None
         self._closed = False
@@ -182,10 +205,12 @@ class RayEnginePool:
         prompt = list(prompt_ids)
         async with asyncio.timeout(self.config.request_timeout_s):
             while True:
+                await self._until_a_replica_lives()
                 replica = self._router.choose(prompt)
                 self._busy[replica].enter()
                 served: list[int] | None = None
-                ref = self._replicas[replica].generate.remote(prompt, sampling)
+                handle = self._replicas[replica]
+                ref = handle.generate.remote(prompt, sampling)
                 try:
                     completion: Completion = await ref
                     served = prompt + completion.ids
@@ -196,9 +221,7 @@ class RayEnginePool:
                 except BaseException as e:
                     if not _actor_died(e):
                         raise
-                    self._router.mark_dead(replica)
-                    if not any(self._router.alive):
-                        raise ReplicaDied(f"every engine replica is dead (the last: {e})") from e
+                    self._lost(replica, handle, e)
                     self.retried += 1  # a generate call has no side effects: serve it elsewhere
                 finally:
                     self._router.release(replica, served)
@@ -208,30 +231,44 @@ class RayEnginePool:
         """Put each bucket into the object store once; every live replica loads them all."""
         import ray
 
-        if self._update_lock is None:
-            self._update_lock = asyncio.Lock()
-        async with asyncio.timeout(self.config.update_timeout_s), self._update_lock:
+        async with asyncio.timeout(self.config.update_timeout_s), self._updating():
             refs = await asyncio.to_thread(lambda: [ray.put(list(bucket)) for bucket in weights.buckets()])
-            live = [i for i, ok in enumerate(self._router.alive) if ok]
+            live = [(i, self._replicas[i]) for i, ok in enumerate(self._router.alive) if ok]
             results = await asyncio.gather(
-                *(self._replicas[i].update_weights.remote(refs, version) for i in live), return_exceptions=True
+                *(handle.update_weights.remote(refs, version) for _, handle in live), return_exceptions=True
             )
-            for i, result in zip(live, results, strict=True):
+            for (i, handle), result in zip(live, results, strict=True):
                 if isinstance(result, BaseException):
                     if not _actor_died(result):
                         raise result
-                    self._router.mark_dead(i)
-            if not any(self._router.alive):
-                raise ReplicaDied("every engine replica is dead")
+                    self._lost(i, handle, result)
+            # a replica restarting now loads these (under this lock), so none serves older weights
+            self._weights = refs if self.config.max_restarts else []
             self.policy_version = version
+            if not any(self._router.alive) and not self._restarting:
+                raise ReplicaDied("every engine replica is dead")
 
     def busy_seconds(self) -> float:
         """Mean over replicas of the time each had a request in flight (what `rollout/engine_busy` reads)."""
         return sum(clock.seconds() for clock in self._busy) / len(self._busy)
 
+    def stats(self) -> dict[str, float]:
+        """Replica counters for the run's metrics (`rollout/engine/<key>`); cheap, no remote calls."""
+        router = self._router
+        return {
+            "replicas_alive": float(sum(router.alive)),
+            "replicas_restarting": float(len(self._restarting)),
+            "replica_restarts": float(self.restarted),
+            "retried_requests": float(self.retried),
+        }
+
     async def health(self) -> EngineHealth:
-        live = [i for i, ok in enumerate(self._router.alive) if ok]
-        reports = await asyncio.gather(*(self._replicas[i].health.remote() for i in live), return_exceptions=True)
+        """Asks every live replica; one found dead here is handled as in `generate` (routed around, restarted)."""
+        live = [(i, self._replicas[i]) for i, ok in enumerate(self._router.alive) if ok]
+        reports = await asyncio.gather(*(handle.health.remote() for _, handle in live), return_exceptions=True)
+        for (i, handle), report in zip(live, reports, strict=True):
+            if isinstance(report, BaseException) and _actor_died(report):
+                self._lost(i, handle, report)
         healthy = [r for r in reports if isinstance(r, EngineHealth)]
         router = self._router
         return EngineHealth(
@@ -242,6 +279,8 @@ class RayEnginePool:
             detail={
                 "replicas": len(router.alive),
                 "replicas_alive": sum(router.alive),
+                "replicas_restarting": sorted(self._restarting),
+                "replica_restarts": self.restarted,
                 "routed_by_prefix": router.by_prefix,
                 "routed_by_load": router.by_load,
                 "retried_on_dead_replica": self.retried,
@@ -249,11 +288,72 @@ class RayEnginePool:
             },
         )
 
+    # -- dead replicas ----------------------------------------------------------------------
+
+    def _new_replica(self) -> Any:
+        return self._actor.remote(self._engine_cls, self._params)
+
+    def _updating(self) -> asyncio.Lock:
+        """The lock that orders weight updates and restarted replicas' first load."""
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        return self._update_lock
+
+    def _lost(self, replica: int, handle: Any, exc: BaseException) -> None:
+        """`handle`, serving as `replica`, died: route around it and start its replacement if allowed."""
+        if self._replicas[replica] is not handle or not self._router.alive[replica]:
+            return  # already known, or `replica` already runs a new actor
+        self._router.mark_dead(replica)
+        log.warning("engine replica %d died: %s", replica, exc)
+        if not self._closed and self._attempts[replica] < self.config.max_restarts:
+            task = asyncio.create_task(self._restart(replica), name=f"agentrl-ray-restart-{replica}")
+            self._restarting[replica] = task
+            task.add_done_callback(functools.partial(self._restart_ended, replica))
+
+    def _restart_ended(self, replica: int, task: asyncio.Task[None]) -> None:
+        if self._restarting.get(replica) is task:  # not a later restart of the same replica
+            del self._restarting[replica]
+
+    async def _restart(self, replica: int) -> None:
+        """Replace a dead replica: start a new actor, load the current weights, then route to it again."""
+        import ray
+
+        cfg = self.config
+        while self._attempts[replica] < cfg.max_restarts and not self._closed:
+            self._attempts[replica] += 1
+            with contextlib.suppress(Exception):
+                ray.kill(self._replicas[replica])
+            handle = self._replicas[replica] = self._new_replica()
+            try:
+                async with asyncio.timeout(cfg.start_timeout_s):
+                    await handle.health.remote()
+                async with asyncio.timeout(cfg.update_timeout_s), self._updating():
+                    if self._weights:
+                        await handle.update_weights.remote(self._weights, self.policy_version)
+                    self._router.revive(replica)
+                self.restarted += 1
+                log.warning("engine replica %d restarted (attempt %d) at policy version %d",
+                            replica, self._attempts[replica], self.policy_version)  # fmt: skip
+                return
+            except Exception as e:  # it did not start or load: try again after a pause
+                log.warning("restarting engine replica %d failed (attempt %d of %d): %s",
+                            replica, self._attempts[replica], cfg.max_restarts, e)  # fmt: skip
+                await asyncio.sleep(cfg.restart_backoff_s)
+
+    async def _until_a_replica_lives(self) -> None:
+        """Return when some replica is alive; wait for restarts when none is; ReplicaDied when none will be."""
+        while not any(self._router.alive):
+            if not self._restarting:
+                raise ReplicaDied("every engine replica is dead and none is being restarted")
+            await asyncio.wait(list(self._restarting.values()), return_when=asyncio.FIRST_COMPLETED)
+
     async def close(self) -> None:
         """Close every live replica's engine, then end the actors (and the local Ray this pool started)."""
         if self._closed:
             return
         self._closed = True
+        for task in list(self._restarting.values()):
+            task.cancel()
         live = [self._replicas[i] for i, ok in enumerate(self._router.alive) if ok]
         try:
             async with asyncio.timeout(self.config.update_timeout_s):

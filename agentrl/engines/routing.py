@@ -98,6 +98,10 @@ class PrefixRouter:
             else:
                 del self._holders[h]
 
+    def revive(self, replica: int) -> None:
+        """Route to `replica` again (a new engine in its place: it holds no prefix yet)."""
+        self.alive[replica] = True
+
     def holders(self, tokens: Sequence[int]) -> list[int]:
         """The replicas known to hold the deepest known prefix of `tokens` (empty when none)."""
         for h in reversed(self.block_hashes(tokens)):

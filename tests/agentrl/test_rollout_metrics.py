@@ -35,3 +35,13 @@ def test_throughput_is_the_run_average_and_the_window_rate_is_kept() -> None:
     assert first["rollout/tokens_per_s"] > 0 and first["rollout/window_tokens_per_s"] > 0
     assert empty["rollout/window_tokens_per_s"] == 0.0
     assert 0 < empty["rollout/tokens_per_s"] <= first["rollout/tokens_per_s"]
+
+
+def test_the_engines_own_counters_are_logged_under_rollout_engine() -> None:
+    alive = [2.0]
+    m = RolloutMetrics(engine_stats=lambda: {"replicas_alive": alive[0], "replica_restarts": 0})
+    assert m.take(queue_depth=0, in_flight=0)["rollout/engine/replicas_alive"] == 2.0
+    alive[0] = 1.0  # read at every take, not once
+    out = m.take(queue_depth=0, in_flight=0)
+    assert out["rollout/engine/replicas_alive"] == 1.0 and out["rollout/engine/replica_restarts"] == 0.0
+    assert not any(k.startswith("rollout/engine/") for k in RolloutMetrics().take(queue_depth=0, in_flight=0))

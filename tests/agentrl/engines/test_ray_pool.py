@@ -1,7 +1,7 @@
 """The `ray` engine: two hf replicas of a tiny random Llama as Ray actors on a local Ray.
 
 One pool serves the module (Ray and two model processes take a while to
-start); the test that kills a replica runs last.
+start); the tests that kill replicas run last.
 """
 
 from __future__ import annotations
@@ -87,19 +87,69 @@ async def test_a_weight_update_reaches_every_replica(pool: Any, tiny_llama_path:
     assert (await pool.health()).policy_version == 1
 
 
-@pytest.mark.asyncio(loop_scope="module")
-async def test_a_dead_replica_is_routed_around_and_reported(pool: Any) -> None:
-    import ray
+async def _until(check: Any, timeout_s: float = 180.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.2)
 
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_dead_replica_is_routed_around_then_restarted_with_the_current_weights(
+    pool: Any, tiny_llama_path: str
+) -> None:
+    import ray
+    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+
+    current = load_model(tiny_llama_path, seed=4)
+    version = pool.policy_version + 1
+    await pool.update_weights(NamedTensorBuckets(lambda: hf_named_tensors(current), bucket_mb=0.2), version)
     # the conversation's replica dies: its next turn is retried on the other one
     first = await pool.generate(PROMPT, Sampling(max_tokens=4, seed=1))
     [owner] = pool._router.holders(PROMPT + first.ids)
-    ray.kill(pool._replicas[owner])
+    dead = pool._replicas[owner]
+    ray.kill(dead)
     outs = await asyncio.gather(*(pool.generate(PROMPT + first.ids, Sampling(max_tokens=4, seed=i)) for i in range(4)))
-    assert all(len(o.ids) == 4 for o in outs)
+    assert all(len(o.ids) == 4 and o.versions == [version] * 4 for o in outs)
+    assert pool.retried >= 1 and pool._router.alive[owner] is False
+    # a new replica takes its place, loaded with the weights of the current version before it serves
+    await _until(lambda: pool.restarted == 1)
+    replacement = pool._replicas[owner]
+    assert replacement is not dead and pool._router.alive[owner]
+    out = await replacement.generate.remote(PROMPT, Sampling(max_tokens=12, seed=5))
+    assert out.versions == [version] * 12
+    assert max_diff(out.logprobs, reference_logprobs(current, PROMPT, out.ids)) < 1e-4
     health = await pool.health()
-    assert not health.ok and health.detail["replicas_alive"] == 1
-    assert health.detail["retried_on_dead_replica"] >= 1
+    assert health.ok and health.detail["replicas_alive"] == 2 and health.detail["replica_restarts"] == 1
+    assert pool.stats() == {"replicas_alive": 2.0, "replicas_restarting": 0.0, "replica_restarts": 1.0,
+                            "retried_requests": float(pool.retried)}  # fmt: skip
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_lone_replica_that_dies_is_waited_for_until_its_restarts_run_out(pool: Any, tiny_llama_path: str) -> None:
+    """One replica, one restart: the first death costs a wait, not the request; the second is final.
+
+    num_cpus=0: the module's pool holds the CPUs Ray was started with.
+    """
+    import ray
+
+    from agentrl.engines.ray_pool import RayEnginePool, ReplicaDied, ReplicaSpec
+
+    lone = RayEnginePool(
+        RayEnginePool.Config(
+            model=tiny_llama_path, dtype="fp32", replicas=1, num_cpus=0, max_restarts=1, restart_backoff_s=0,
+            replica=ReplicaSpec(name="hf", params={"cpu_threads": 1}),
+        )
+    )  # fmt: skip
+    try:
+        ray.kill(lone._replicas[0])
+        out = await lone.generate(PROMPT, Sampling(max_tokens=6, seed=2))  # waits for the restart
+        assert len(out.ids) == 6 and lone.restarted == 1 and lone.retried == 1
+        ray.kill(lone._replicas[0])
+        with pytest.raises(ReplicaDied, match="none is being restarted"):
+            await lone.generate(PROMPT, Sampling(max_tokens=6, seed=2))
+        assert not (await lone.health()).ok and lone.stats()["replicas_alive"] == 0
+    finally:
+        await lone.close()
 
 
 def test_agentrl_train_on_a_ray_pool(tmp_path: Path, tiny_llama_path: str) -> None:
@@ -108,3 +158,4 @@ def test_agentrl_train_on_a_ray_pool(tmp_path: Path, tiny_llama_path: str) -> No
     mismatch = [r["off_policy/mismatch_kl"] for r in steps]
     print(f"ray pool, 2 steps: off_policy/mismatch_kl per step = {mismatch}")
     assert all(0 <= m < 1e-6 for m in mismatch), mismatch
+    assert all(r["rollout/engine/replicas_alive"] == 2 and r["rollout/engine/replica_restarts"] == 0 for r in steps)

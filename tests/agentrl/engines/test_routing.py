@@ -78,6 +78,9 @@ def test_dead_replicas_get_nothing_and_their_prefixes_are_forgotten() -> None:
     router.mark_dead(1 - r)
     with pytest.raises(NoReplica):
         router.choose(prompt)
+    router.revive(r)  # a restarted replica: routed to again, holding nothing yet
+    assert router.alive[r] and router.holders(prompt) == []
+    assert router.choose(prompt) == r
 
 
 def test_the_prefix_map_is_bounded() -> None:
