@@ -484,6 +484,16 @@ class HFEngine:
         """Seconds the worker spent in model steps since creation."""
         return self._busy_s
 
+    def stats(self) -> dict[str, float]:
+        """Run-long counters for the run's metrics (`rollout/engine/<key>`): prefill work and prefix-cache reuse."""
+        prompt = self.prefill_tokens + self.prefix_hit_tokens
+        return {
+            "prefill_tokens": float(self.prefill_tokens),
+            "prefix_cache_hit_tokens": float(self.prefix_hit_tokens),
+            "prefix_cache_hit_share": self.prefix_hit_tokens / prompt if prompt else 0.0,
+            "prefix_cache_tokens": float(self._prefix.tokens),
+        }
+
     def busy_fraction(self) -> float:
         wall = time.monotonic() - self._t0
         return min(1.0, self._busy_s / wall) if wall > 0 else 0.0

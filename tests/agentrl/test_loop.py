@@ -68,6 +68,9 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
     assert [r["step"] for r in rl_rows] == [1, 2, 3]
     assert all(0 < r["time/weight_sync_s"] < r["time/step_s"] for r in rl_rows)
     assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
+    prefilled = [r["rollout/engine/prefill_tokens"] for r in rl_rows]  # the hf engine's stats(), run-long
+    assert 0 < prefilled[0] < prefilled[1] < prefilled[2]
+    assert all(0 <= r["rollout/engine/prefix_cache_hit_share"] <= 1 for r in rl_rows)
     assert any(r["grad_norm"] > 0 for r in rl_rows), "no RL step had a non-zero gradient"
     assert any(r["step"] == 0 and "eval/reward_mean" in r for r in rows)
     sft = [r for r in rows if "sft/loss" in r]

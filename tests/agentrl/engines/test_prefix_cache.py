@@ -106,6 +106,12 @@ async def test_multi_turn_chain_reuses_the_previous_turn(pair: tuple[HFEngine, H
         prompt = prompt + a.ids + delta
     # one entry per chain: each turn's entry replaced the previous one it extends
     assert (await detail(cached))["prefix_cache_entries"] == 1
+    # what the run logs as rollout/engine/*: the same counters, and the share of prompt tokens reused
+    final, stats = await detail(cached), cached.stats()
+    assert stats["prefix_cache_hit_tokens"] == final["prefix_cache_hit_tokens"] > 0
+    assert stats["prefix_cache_hit_share"] == final["prefix_cache_hit_tokens"] / (
+        final["prefix_cache_hit_tokens"] + final["prefill_tokens"])
+    assert plain.stats()["prefix_cache_hit_share"] == 0.0
 
 
 async def test_requests_admitted_together_with_different_hit_lengths(pair: tuple[HFEngine, HFEngine]) -> None:
