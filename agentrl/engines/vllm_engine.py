@@ -35,6 +35,7 @@ from pydantic import Field
 
 from agentrl.engines.base import BusyClock, EngineClosed, EngineHealth, Sampling, ServingConfig, WeightSource
 from agentrl.engines.models import resolve_model
+from agentrl.engines.vllm_stats import SchedulerCounters
 from agentrl.types import Completion, FinishReason
 
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
@@ -101,6 +102,8 @@ class VLLMEngine:
             "enforce_eager": cfg.enforce_eager,
             **cfg.engine_args,
         }
+        args.setdefault("disable_log_stats", True)  # vLLM's own log lines and Prometheus; engine_args may enable them
+        self._scheduler = SchedulerCounters()
         self._llm: Any = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=path,
@@ -108,9 +111,9 @@ class VLLMEngine:
                 seed=cfg.seed,
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls="agentrl.engines.vllm_worker.WeightLoader",
-                disable_log_stats=True,
                 **args,
-            )
+            ),
+            stat_loggers=[self._scheduler.logger_factory()],
         )
         self.model_path = path
         self.policy_version = 0
@@ -255,6 +258,11 @@ class VLLMEngine:
         """Share of wall time since start with at least one request in flight."""
         wall = time.monotonic() - self._t0
         return min(1.0, self.busy_seconds() / wall) if wall > 0 else 0.0
+
+    def stats(self) -> dict[str, float]:
+        """vLLM's scheduler as of its last step (requests running/waiting, KV cache usage) and run-long sums
+        (prefix-cache hit share, prompt tokens, preemptions), for `rollout/engine/<key>`."""
+        return self._scheduler.stats()
 
     async def health(self) -> EngineHealth:
         return EngineHealth(

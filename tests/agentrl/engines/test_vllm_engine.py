@@ -192,6 +192,31 @@ async def test_timeout_and_cancellation_abort_the_request_in_vllm(engine: Any) -
     assert len(out.ids) == 4
 
 
+@pytest.mark.asyncio(loop_scope="module")
+async def test_stats_report_what_vllms_scheduler_saw(engine: Any) -> None:
+    """`stats()` (logged as rollout/engine/*): running requests, KV use, prompt tokens, prefix-cache reuse."""
+    long_prompt = [1, *range(100, 400)]  # 301 tokens: whole KV blocks (128 tokens on a CPU) to cache
+    before = engine.stats()
+    engine.config.stop_on_eos = False
+    try:
+        task = asyncio.create_task(engine.generate(long_prompt, Sampling(max_tokens=200, seed=1)))
+        async with asyncio.timeout(60):
+            while engine.stats()["running"] < 1:
+                await asyncio.sleep(0.02)
+        during = engine.stats()
+        assert during["running"] == 1 and 0 < during["kv_cache_usage"] <= 1
+        await task
+        await engine.generate(long_prompt, Sampling(max_tokens=4, seed=2))  # the same prompt: its KV is cached
+    finally:
+        engine.config.stop_on_eos = True
+    await asyncio.sleep(0.2)  # the last step's stats reach the frontend after its output
+    after = engine.stats()
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 2 * len(long_prompt)
+    assert after["prefix_cache_hit_share"] > before["prefix_cache_hit_share"]
+    # continue_new updates in earlier tests preempted requests (their KV is recomputed); this test did not
+    assert after["running"] == 0 and after["preempted_requests"] == before["preempted_requests"]
+
+
 @pytest.mark.ray
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_vllm_replica_in_a_ray_pool(tiny_llama64_path: str) -> None:
@@ -237,3 +262,6 @@ def test_agentrl_train_with_the_vllm_engine(tmp_path: Path, tiny_llama64_path: s
     mismatch = [r["off_policy/mismatch_kl"] for r in steps]
     print(f"vllm engine, 3 steps: off_policy/mismatch_kl per step = {mismatch}")
     assert all(0 <= m < 1e-6 for m in mismatch), mismatch
+    prompted = [r["rollout/engine/prompt_tokens"] for r in steps]  # vLLM's scheduler, as the run logs it
+    assert 0 < prompted[0] < prompted[1] < prompted[2]
+    assert all(0 <= r["rollout/engine/kv_cache_usage"] <= 1 for r in steps)
