@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from agentrl.alerts import AlertsSection
 from agentrl.errors import ConfigError, PluginError, config_error
 from agentrl.registry import Plugins
 from agentrl.rollout_config import RolloutConfig
@@ -152,6 +153,9 @@ class RunConfig(_Section):
     )
     warm_start: WarmStartSection = Field(
         WarmStartSection.model_validate({}), description="optional SFT steps before RL"
+    )
+    alerts: AlertsSection = Field(
+        AlertsSection.model_validate({}), description="conditions that flag or stop a run going wrong"
     )
     plugins: list[str] = Field(default_factory=list, description="user modules to import for their plugins")
     _registry: Plugins | None = PrivateAttr(default=None)

@@ -15,7 +15,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from rich.markup import escape
+
+from agentrl.alerts import RunAlerts
 from agentrl.config import RunConfig, dump_config
+from agentrl.errors import AgentrlError
 from agentrl.metrics_log import MetricsLog, check_loggers
 from agentrl.progress import TrainProgress
 from agentrl.run_dir import RunDir
@@ -47,6 +51,7 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
     stream = TaskStream(parts.train_tasks, seed=config.run.seed)
 
     lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
+    alerts = RunAlerts(config.alerts)
 
     def save(at_step: int) -> None:
         run.save_checkpoint(at_step, lambda d: parts.trainer.save(d, {"step": at_step}))
@@ -62,6 +67,8 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
         metrics["time/weight_sync_s"] = time.perf_counter() - synced
         metrics |= extra() | batch_metrics(batch, parts.trainer.policy_version)
         metrics["time/step_s"] = time.perf_counter() - started
+        fired = alerts.check(metrics)
+        metrics |= {f"alerts/{alert.name}": 1.0 for alert in fired}
         for group in batch:
             if group.id in stored:
                 store.set_group_step(group.id, step=step)
@@ -74,8 +81,16 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
         metrics["time/wall_s"] = time.monotonic() - began
         log.write(step, metrics)
         progress.update(step, metrics)
-        if step % config.run.save_every == 0 or step >= config.run.steps:
+        for alert in fired:
+            log.console.print(f"[bold yellow]alert {alert.name}[/] at step {step}: {escape(alert.message)}")
+        stop = bool(fired) and config.alerts.action == "stop"
+        if step % config.run.save_every == 0 or step >= config.run.steps or stop:
             await _off_thread(lock, save, step)
+        if stop:
+            raise AgentrlError(
+                f"run stopped at step {step} by alert {fired[0].name} (alerts.action=stop): {fired[0].message}; "
+                f"checkpoint written; fix the cause, then `agentrl train --resume {run.path}`"
+            )
         return step >= config.run.steps
 
     try:

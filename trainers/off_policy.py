@@ -84,6 +84,8 @@ class MismatchStats:
     clipped: float = 0.0
     staleness_sum: float = 0.0
     staleness_max: float = 0.0
+    fresh_tokens: float = 0.0  # tokens sampled by the weights the trainer held at the start of the step
+    fresh_kl_k3: float = 0.0
 
     def add(
         self,
@@ -106,7 +108,8 @@ class MismatchStats:
         self.tokens += float(m.sum())
         # KL(behav || trainer) estimated from behaviour samples: k1 = -d, k3 = e^d - 1 - d
         self.kl_k1 += float((-d).sum())
-        self.kl_k3 += float((torch.expm1(d) - d).sum())
+        k3 = torch.expm1(d) - d
+        self.kl_k3 += float(k3.sum())
         self.max_abs_dlogp = max(self.max_abs_dlogp, float(d.abs().max()))
         self.w_sum += float(raw_w.sum())
         self.w_sq_sum += float(raw_w.square().sum())
@@ -117,11 +120,14 @@ class MismatchStats:
         stale = (trainer_version - versions[m]).float()
         self.staleness_sum += float(stale.sum())
         self.staleness_max = max(self.staleness_max, float(stale.max()))
+        fresh = stale == 0  # same weights on both sides: any difference is numerics or a broken weight sync
+        self.fresh_tokens += float(fresh.sum())
+        self.fresh_kl_k3 += float(k3[fresh].sum())
 
     def metrics(self) -> dict[str, float]:
         n = max(self.tokens, 1.0)
         ess = self.w_sum**2 / (n * self.w_sq_sum) if self.w_sq_sum > 0 else 1.0
-        return {
+        out = {
             "off_policy/mismatch_kl": self.kl_k3 / n,
             "off_policy/mismatch_kl_k1": self.kl_k1 / n,
             "off_policy/max_abs_dlogp": self.max_abs_dlogp,
@@ -130,15 +136,19 @@ class MismatchStats:
             "off_policy/is_clipped_fraction": self.clipped / n,
             "off_policy/staleness_mean": self.staleness_sum / n,
             "off_policy/staleness_max": self.staleness_max,
+            "off_policy/fresh_fraction": self.fresh_tokens / n,
         }
+        if self.fresh_tokens:
+            out["off_policy/fresh_mismatch_kl"] = self.fresh_kl_k3 / self.fresh_tokens
+        return out
 
     def merge_(self, values: torch.Tensor) -> None:
         """Overwrite from an all-reduced vector made by `as_tensor` (sums; maxima reduced separately)."""
         (self.tokens, self.kl_k3, self.kl_k1, self.w_sum, self.w_sq_sum, self.masked, self.clipped,
-         self.staleness_sum) = (float(v) for v in values.tolist())  # fmt: skip
+         self.staleness_sum, self.fresh_tokens, self.fresh_kl_k3) = (float(v) for v in values.tolist())  # fmt: skip
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor(
             [self.tokens, self.kl_k3, self.kl_k1, self.w_sum, self.w_sq_sum, self.masked, self.clipped,
-             self.staleness_sum], dtype=torch.float64,
+             self.staleness_sum, self.fresh_tokens, self.fresh_kl_k3], dtype=torch.float64,
         )  # fmt: skip

@@ -162,6 +162,34 @@ def test_math_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
     assert (run / "checkpoints" / "step-000002" / "model" / "config.json").exists()
 
 
+def test_an_engine_drift_alert_stops_the_run_with_a_checkpoint(tmp_path: Path, tiny_llama_path: str) -> None:
+    """An engine left in bf16 under an fp32 trainer: on-policy tokens no longer match; alerts.action=stop ends the run.
+
+    The threshold is set for this tiny model, whose bf16/fp32 gap is ~2e-6 (fp32 on both sides: ~3e-13).
+    """
+    proc = subprocess.run(
+        [*_train_cmd("calculator.yaml", tmp_path, tiny_llama_path,
+                     "run.steps=3", "run.eval_every=0", "run.save_every=10", "run.loggers=[jsonl]",
+                     "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=12",
+                     "rollout.max_turns=2", "rollout.max_staleness=0", "warm_start.steps=0",
+                     "alerts.action=stop", "alerts.patience=1", "alerts.fresh_mismatch_kl=1e-8"),
+         "engine.dtype=bf16"],
+        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    run = tmp_path / "ci"
+    assert "run stopped at step 1 by alert engine_drift (alerts.action=stop)" in proc.stderr
+    assert f"agentrl train --resume {run}" in proc.stderr.replace("\n", "")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    [step] = [r for r in rows if "grad_norm" in r]
+    assert step["step"] == 1 and step["alerts/engine_drift"] == 1.0
+    assert step["off_policy/fresh_fraction"] == 1.0 and step["off_policy/fresh_mismatch_kl"] > 1e-8
+    assert _undocumented(rows) == []
+    assert (run / "checkpoints" / "step-000001" / "model" / "config.json").exists()
+    with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
+        assert len([r for r in store.iter_records() if r.status == "trained"]) == 2 * 4
+
+
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path: Path, tiny_llama_path: str) -> None:
     """kill -9 mid-run, `--resume`: every task position trained exactly once, nothing lost."""
     fast = (

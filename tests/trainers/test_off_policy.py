@@ -101,6 +101,15 @@ def test_mismatch_stats_by_hand() -> None:
     assert m["off_policy/is_clipped_fraction"] == pytest.approx(1 / 3)
     assert m["off_policy/staleness_mean"] == pytest.approx((1 + 3 + 2) / 3)
     assert m["off_policy/staleness_max"] == 3.0
+    assert "off_policy/fresh_mismatch_kl" not in m and m["off_policy/fresh_fraction"] == 0.0  # no token of version 4
+    # trainer at version 2: only the third token (dlogp = log 0.5) is fresh; its k3 alone is the fresh mismatch
+    fresh = MismatchStats()
+    fresh.add(prox, behav, mask, versions, 2, w, mode="tis", tis_cap=1.5)
+    assert fresh.metrics()["off_policy/fresh_fraction"] == pytest.approx(1 / 3)
+    assert fresh.metrics()["off_policy/fresh_mismatch_kl"] == pytest.approx(math.expm1(d[2]) - d[2])
+    merged = MismatchStats()
+    merged.merge_(fresh.as_tensor())  # the all-reduce path carries the fresh sums too
+    assert merged.metrics()["off_policy/fresh_mismatch_kl"] == fresh.metrics()["off_policy/fresh_mismatch_kl"]
     on = MismatchStats()
     on.add(prox, prox, mask, versions, 3, mask, mode="none", tis_cap=2.0)
     assert on.metrics()["off_policy/ess"] == 1.0
