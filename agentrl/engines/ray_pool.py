@@ -86,6 +86,12 @@ class _Replica:
         health: EngineHealth = await self.engine.health()
         return health
 
+    def node(self) -> str:
+        """The Ray node this replica runs on."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     async def close(self) -> None:
         await self.engine.close()
 
@@ -183,11 +189,13 @@ class RayEnginePool:
         self._attempts = [0] * cfg.replicas  # restart attempts per replica
         self._restarting: dict[int, asyncio.Task[None]] = {}
         self._weights: list[Any] = []  # object refs of the last update's buckets (kept for restarts)
+        self._nodes: list[str] = []  # the Ray node of each replica
         self._busy = [BusyClock() for _ in range(cfg.replicas)]  # per replica: time with a request of ours there
         self._update_lock: asyncio.Lock | None = None
         self._closed = False
         try:
             ray.get([r.health.remote() for r in self._replicas], timeout=cfg.start_timeout_s)
+            self._nodes = ray.get([r.node.remote() for r in self._replicas], timeout=cfg.start_timeout_s)
         except BaseException:
             self._shutdown()
             raise
@@ -285,6 +293,7 @@ class RayEnginePool:
                 "routed_by_load": router.by_load,
                 "retried_on_dead_replica": self.retried,
                 "requests_per_replica": list(router.routed),
+                "replica_nodes": list(self._nodes),
             },
         )
 
@@ -327,6 +336,7 @@ class RayEnginePool:
             try:
                 async with asyncio.timeout(cfg.start_timeout_s):
                     await handle.health.remote()
+                    self._nodes[replica] = await handle.node.remote()
                 async with asyncio.timeout(cfg.update_timeout_s), self._updating():
                     if self._weights:
                         await handle.update_weights.remote(self._weights, self.policy_version)
