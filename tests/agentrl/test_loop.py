@@ -162,20 +162,25 @@ def test_math_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
     assert (run / "checkpoints" / "step-000002" / "model" / "config.json").exists()
 
 
+def _drifting_run(run_dir: Path, model: str, action: str) -> subprocess.CompletedProcess[str]:
+    """Two steps with the engine left in bf16 under an fp32 trainer, and an engine_drift threshold for that gap."""
+    return subprocess.run(
+        [*_train_cmd("calculator.yaml", run_dir, model,
+                     "run.steps=2", "run.eval_every=0", "run.save_every=10", "run.loggers=[jsonl]",
+                     "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=12",
+                     "rollout.max_turns=2", "rollout.max_staleness=0", "warm_start.steps=0",
+                     f"alerts.action={action}", "alerts.patience=1", "alerts.fresh_mismatch_kl=1e-8"),
+         "engine.dtype=bf16"],
+        capture_output=True, text=True, timeout=900, env=_env(), cwd=run_dir,
+    )  # fmt: skip
+
+
 def test_an_engine_drift_alert_stops_the_run_with_a_checkpoint(tmp_path: Path, tiny_llama_path: str) -> None:
-    """An engine left in bf16 under an fp32 trainer: on-policy tokens no longer match; alerts.action=stop ends the run.
+    """The engine's bf16 logprobs no longer match the fp32 trainer on the same weights; alerts.action=stop ends the run.
 
     The threshold is set for this tiny model, whose bf16/fp32 gap is ~2e-6 (fp32 on both sides: ~3e-13).
     """
-    proc = subprocess.run(
-        [*_train_cmd("calculator.yaml", tmp_path, tiny_llama_path,
-                     "run.steps=3", "run.eval_every=0", "run.save_every=10", "run.loggers=[jsonl]",
-                     "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=12",
-                     "rollout.max_turns=2", "rollout.max_staleness=0", "warm_start.steps=0",
-                     "alerts.action=stop", "alerts.patience=1", "alerts.fresh_mismatch_kl=1e-8"),
-         "engine.dtype=bf16"],
-        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
-    )  # fmt: skip
+    proc = _drifting_run(tmp_path, tiny_llama_path, "stop")
     assert proc.returncode == 2, proc.stderr[-3000:]
     run = tmp_path / "ci"
     assert "run stopped at step 1 by alert engine_drift (alerts.action=stop)" in proc.stderr
@@ -188,6 +193,14 @@ def test_an_engine_drift_alert_stops_the_run_with_a_checkpoint(tmp_path: Path, t
     assert (run / "checkpoints" / "step-000001" / "model" / "config.json").exists()
     with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
         assert len([r for r in store.iter_records() if r.status == "trained"]) == 2 * 4
+
+
+def test_an_engine_drift_alert_that_warns_lets_the_run_finish(tmp_path: Path, tiny_llama_path: str) -> None:
+    proc = _drifting_run(tmp_path, tiny_llama_path, "warn")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("alert engine_drift") == 2
+    rows = [json.loads(line) for line in (tmp_path / "ci" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["alerts/engine_drift"] for r in rows if "grad_norm" in r] == [1.0, 1.0]
 
 
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path: Path, tiny_llama_path: str) -> None:
