@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
     @sandbox.command("run")
     def run_cmd(
         file: Annotated[Path | None, typer.Argument(help="Code file to run ('-' or nothing: stdin).")] = None,
-        backend: Annotated[str, typer.Option("--backend", "-b", help=" | ".join(BACKENDS))] = "local",
+        backend: Annotated[str, typer.Option("--backend", "-b", help=" | ".join(BACKENDS) + ", or a user's sandbox plugin (agentrl list sandboxes)")] = "local",
         language: Annotated[str, typer.Option("--language", "-l")] = "python",
         timeout: Annotated[float, typer.Option(help="Wall timeout in seconds.")] = 10.0,
         memory_mb: Annotated[int, typer.Option()] = 512,
