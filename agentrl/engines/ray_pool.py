@@ -194,7 +194,7 @@ class RayEnginePool:
         self._update_lock: asyncio.Lock | None = None
         self._closed = False
         try:
-            ray.get([r.health.remote() for r in self._replicas], timeout=cfg.start_timeout_s)
+            # a replica's first call returns once its engine is built (or raises what building it raised)
             self._nodes = ray.get([r.node.remote() for r in self._replicas], timeout=cfg.start_timeout_s)
         except BaseException:
             self._shutdown()
@@ -335,8 +335,7 @@ class RayEnginePool:
             handle = self._replicas[replica] = self._new_replica()
             try:
                 async with asyncio.timeout(cfg.start_timeout_s):
-                    await handle.health.remote()
-                    self._nodes[replica] = await handle.node.remote()
+                    self._nodes[replica] = await handle.node.remote()  # returns once its engine is built
                 async with asyncio.timeout(cfg.update_timeout_s), self._updating():
                     if self._weights:
                         await handle.update_weights.remote(self._weights, self.policy_version)
