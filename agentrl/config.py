@@ -251,9 +251,10 @@ def _inherited_params(plugins: Plugins, config: RunConfig, section: str, spec: P
 def _validate_section(plugins: Plugins, config: RunConfig, section: str, spec: PluginSpec) -> BaseModel | None:
     kind = PLUGIN_SECTIONS[section]
     registry = plugins.registry(kind)
-    if section == "trainer":
-        # The trainer class imports torch: check the name without loading it and
-        # validate params with the torch-free TrainerConfig.
+    if section == "trainer" and spec.name == DEFAULT_PLUGINS["trainer"]:
+        # The torch trainer's module imports torch: check the name without loading it
+        # and validate params with its torch-free TrainerConfig. Other trainers (the
+        # `ray` group, a user's) are loaded and validate with their own Config.
         model = _trainer_config_model()
         if model is not None:
             if ":" not in spec.name:

@@ -39,7 +39,10 @@ class Parts:
     trainer: Any  # agentrl.trainers.torch_trainer.TorchTrainer (torch-backed; typed loosely here)
 
     async def close(self) -> None:
-        await _close_parts(self.engine, self.probe)
+        try:
+            await _close_parts(self.engine, self.probe)
+        finally:
+            _close_trainer(self.trainer)
 
 
 @dataclass(slots=True)
@@ -77,8 +80,19 @@ def build_parts(config: RunConfig) -> Parts:
     trainer_cls = plugins.registry("trainers").get(config.trainer.name)
     trainer_config = config.trainer.config or trainer_cls.Config(**config.trainer.params)
     trainer = trainer_cls(trainer_config, model_path)
-    engine = _engine(config, model_path, tokenizer)
+    try:
+        engine = _engine(config, model_path, tokenizer)
+    except BaseException:
+        _close_trainer(trainer)
+        raise
     return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer)
+
+
+def _close_trainer(trainer: Any) -> None:
+    """End a trainer that runs processes of its own (the `ray` group); the `torch` trainer has nothing to end."""
+    close = getattr(trainer, "close", None)
+    if close is not None:
+        close()
 
 
 def build_engine_only(config: RunConfig) -> EvalParts:

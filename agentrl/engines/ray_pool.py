@@ -31,8 +31,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -47,6 +45,7 @@ from agentrl.engines.base import (
     WeightSource,
 )
 from agentrl.engines.routing import PrefixRouter
+from agentrl.ray_runtime import actor_died, start_or_join
 from agentrl.registry import Plugins, PluginSpec
 from agentrl.types import JSON, Completion
 
@@ -160,16 +159,7 @@ class RayEnginePool:
         engine_cls = registry.registry("engines").get(cfg.replica.name)
         import ray
 
-        self._own_ray = not ray.is_initialized()
-        if self._own_ray:
-            local = cfg.address is None
-            ray.init(
-                address=cfg.address,
-                num_cpus=max(os.cpu_count() or 1, math.ceil(cfg.replicas * cfg.num_cpus)) if local else None,
-                include_dashboard=False,
-                log_to_driver=True,
-                configure_logging=False,
-            )
+        self._own_ray = start_or_join(cfg.address, cfg.replicas * cfg.num_cpus)
         params = dict(cfg.replica.params)
         fields = engine_cls.Config.model_fields
         if "model" in fields:
@@ -227,7 +217,7 @@ class RayEnginePool:
                     _cancel(ref)
                     raise
                 except BaseException as e:
-                    if not _actor_died(e):
+                    if not actor_died(e):
                         raise
                     self._lost(replica, handle, e)
                     self.retried += 1  # a generate call has no side effects: serve it elsewhere
@@ -247,7 +237,7 @@ class RayEnginePool:
             )
             for (i, handle), result in zip(live, results, strict=True):
                 if isinstance(result, BaseException):
-                    if not _actor_died(result):
+                    if not actor_died(result):
                         raise result
                     self._lost(i, handle, result)
             # a replica restarting now loads these (under this lock), so none serves older weights
@@ -275,7 +265,7 @@ class RayEnginePool:
         live = [(i, self._replicas[i]) for i, ok in enumerate(self._router.alive) if ok]
         reports = await asyncio.gather(*(handle.health.remote() for _, handle in live), return_exceptions=True)
         for (i, handle), report in zip(live, reports, strict=True):
-            if isinstance(report, BaseException) and _actor_died(report):
+            if isinstance(report, BaseException) and actor_died(report):
                 self._lost(i, handle, report)
         healthy = [r for r in reports if isinstance(r, EngineHealth)]
         router = self._router
@@ -383,12 +373,6 @@ class RayEnginePool:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _actor_died(exc: BaseException) -> bool:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    return isinstance(exc, ActorDiedError | ActorUnavailableError | RayActorError)
 
 
 def _cancel(ref: Any) -> None:

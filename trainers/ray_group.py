@@ -1,0 +1,338 @@
+"""The `ray` trainer: N torch-trainer ranks as Ray actors in one torch.distributed group, behind one trainer.
+
+`agentrl train` drives a trainer through five calls (`train_step`, `sft_step`,
+`state_for_engines`, `save`, `load`) and its `policy_version`. This plugin
+answers them for a data-parallel group (and sequence parallel, with
+`sequence_parallel_size`) placed by Ray, so scaling the trainer past one
+process or one machine is a config change, not a launcher script:
+
+- Each rank is a Ray actor that joins a torch.distributed process group
+  (gloo on CPU, nccl with GPUs; rank 0's node hosts the rendezvous) and builds
+  a `TorchTrainer`, which shards every batch over the ranks as under torchrun
+  (see distributed.py).
+- The ranks are reserved as one placement group (`placement: pack` keeps them
+  on as few nodes as possible): a cluster that cannot hold them fails at start
+  with what was asked, instead of leaving ranks pending.
+- A step sends the batch to every rank once (Ray's object store) and returns
+  rank 0's metrics, which the trainer already reduces over ranks. The
+  per-token values each rank writes into the trajectories it trained on
+  (`info["token_stats"]`, the replay token view) are copied back onto the
+  caller's trajectories.
+- Weights for the engines stream from rank 0 one bucket at a time.
+- Checkpoints are written by the ranks themselves (rank 0 the model and
+  optimizer, each rank its RNG), so `save`/`load` need a path every rank can
+  reach: any path on one machine, a shared file system across machines.
+- Every call has a deadline. A rank that fails or dies fails the call at once
+  with the rank and the cause (the other ranks would wait in a collective for
+  it forever), and the group is then closed: a torch.distributed group cannot
+  replace a member mid-run, so the run stops and resumes from its last
+  checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+from agentrl.trainers.config import TrainerConfig
+from pydantic import Field
+
+from agentrl.errors import AgentrlError
+from agentrl.ray_runtime import actor_died, start_or_join
+from agentrl.types import Group, TrainSample
+
+
+class RayTrainerConfig(TrainerConfig):
+    """`TrainerConfig` (every key of the `torch` trainer) plus where and how the ranks run."""
+
+    world_size: int = Field(2, ge=1, description="trainer ranks (Ray actors, one torch.distributed process each)")
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join ('auto' = the one `ray start` made here, or ray://host:port); "
+        "None = start a local Ray for this run (or join the one the run's `ray` engine started)",
+    )
+    num_cpus_per_rank: float = Field(1.0, ge=0, description="CPUs Ray reserves for each rank (its torch threads)")
+    num_gpus_per_rank: float = Field(
+        0.0, ge=0, description="GPUs Ray reserves for each rank; > 0 trains on cuda (nccl), 0 on cpu (gloo)"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl with GPUs, else gloo"
+    )
+    placement: Literal["pack", "spread"] = Field(
+        "pack", description="pack: ranks on as few nodes as possible; spread: on as many as possible"
+    )
+    start_timeout_s: float = Field(
+        900.0, gt=0, description="seconds for the ranks to be placed, join the group and load the model"
+    )
+    step_timeout_s: float = Field(
+        3600.0, gt=0,
+        description="seconds one call (a train step, a checkpoint, the weights for the engines) may take on "
+        "every rank; also the process group's collective timeout",
+    )
+
+
+class TrainerGroupError(AgentrlError):
+    """A rank failed, died or missed its deadline; the group is closed and the run must resume."""
+
+
+class _Rank:
+    """The Ray actor of one rank: a TorchTrainer in a torch.distributed process group."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.trainer: Any = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port: where the process group meets (asked of rank 0)."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, int(s.getsockname()[1])
+
+    def setup(
+        self, host: str, port: int, backend: str, config: dict[str, Any], model_path: str, device: str,
+        timeout_s: float, threads: int,
+    ) -> int:
+        """Join the process group and build the trainer; returns its policy version."""
+        import torch
+        import torch.distributed as dist
+        from agentrl.trainers.torch_trainer import TorchTrainer
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.trainer = TorchTrainer(TrainerConfig.model_validate(config), model_path, device=device)
+        return int(self.trainer.policy_version)
+
+    def train_step(self, groups: list[Group]) -> tuple[dict[str, float], dict[int, Any], int]:
+        """One step; returns the metrics, the token stats this rank wrote (by trajectory index) and the version."""
+        trajectories = [t for g in groups for t in g.trajectories]
+        for t in trajectories:  # only what this step writes goes back
+            t.info.pop("token_stats", None)
+        metrics = self.trainer.train_step(groups)
+        stats = {i: t.info["token_stats"] for i, t in enumerate(trajectories) if "token_stats" in t.info}
+        return metrics, stats, int(self.trainer.policy_version)
+
+    def sft_step(self, samples: list[TrainSample]) -> tuple[dict[str, float], int]:
+        metrics = self.trainer.sft_step(samples)
+        return metrics, int(self.trainer.policy_version)
+
+    def weight_buckets(self) -> Iterator[list[tuple[str, Any]]]:
+        """The engine weights, one bucket per streamed item (rank 0)."""
+        for bucket in self.trainer.state_for_engines(dtype=self._dtype, bucket_mb=self._bucket_mb).buckets():
+            yield list(bucket)
+
+    def set_weight_format(self, dtype: Any, bucket_mb: float | None) -> None:
+        self._dtype, self._bucket_mb = dtype, bucket_mb
+
+    def save(self, path: str, extra_state: dict[str, Any]) -> None:
+        self.trainer.save(path, extra_state)
+
+    def load(self, path: str) -> tuple[dict[str, Any], int]:
+        extra = self.trainer.load(path)
+        return extra, int(self.trainer.policy_version)
+
+    def node(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+
+class _RemoteWeights:
+    """A WeightSource whose buckets stream from rank 0 (fetched as the engine iterates them)."""
+
+    def __init__(self, group: RayTrainerGroup, dtype: Any, bucket_mb: float | None) -> None:
+        self._group, self._dtype, self._bucket_mb = group, dtype, bucket_mb
+
+    def buckets(self) -> Iterator[Sequence[tuple[str, Any]]]:
+        yield from self._group._stream_weights(self._dtype, self._bucket_mb)
+
+
+class RayTrainerGroup:
+    """`world_size` TorchTrainer ranks on Ray, driven like one trainer (see the module docstring)."""
+
+    Config = RayTrainerConfig
+
+    def __init__(self, config: RayTrainerConfig | Mapping[str, Any] | None = None, model_path: str = "") -> None:
+        from agentrl.engines.models import resolve_model
+
+        cfg = self.config = (
+            config if isinstance(config, RayTrainerConfig) else RayTrainerConfig.model_validate(dict(config or {}))
+        )
+        if cfg.sequence_parallel_size > 1 and cfg.world_size % cfg.sequence_parallel_size:
+            raise AgentrlError(
+                f"trainer.world_size={cfg.world_size} must be a multiple of "
+                f"trainer.sequence_parallel_size={cfg.sequence_parallel_size}"
+            )
+        self.model_path = resolve_model(model_path) if model_path else resolve_model("smollm2-135m-instruct")
+        self.policy_version = 0
+        self._broken: str | None = None
+        self._ranks: list[Any] = []
+        self._placement: Any = None
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._own_ray = start_or_join(cfg.address, cfg.world_size * cfg.num_cpus_per_rank)
+        try:
+            bundle = {"CPU": cfg.num_cpus_per_rank, **({"GPU": cfg.num_gpus_per_rank} if cfg.num_gpus_per_rank else {})}
+            self._placement = placement_group([dict(bundle) for _ in range(cfg.world_size)],
+                                              strategy=cfg.placement.upper())  # fmt: skip
+            ready, _ = ray.wait([self._placement.ready()], timeout=cfg.start_timeout_s)
+            if not ready:
+                raise TrainerGroupError(
+                    f"the Ray cluster could not place trainer.world_size={cfg.world_size} ranks of {bundle} "
+                    f"within trainer.start_timeout_s={cfg.start_timeout_s} (resources: {ray.cluster_resources()})"
+                )
+            actor = ray.remote(max_restarts=0)(_Rank)
+            self._ranks = [
+                actor.options(
+                    num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=i),
+                ).remote(i, cfg.world_size)
+                for i in range(cfg.world_size)
+            ]  # fmt: skip
+            host, port = self._call([self._ranks[0].rendezvous.remote()], cfg.start_timeout_s, "start",
+                                    key="trainer.start_timeout_s")[0]  # fmt: skip
+            gpu = cfg.num_gpus_per_rank > 0
+            backend = cfg.backend if cfg.backend != "auto" else ("nccl" if gpu else "gloo")
+            rank_config = TrainerConfig.model_validate(cfg.model_dump(include=set(TrainerConfig.model_fields)))
+            versions = self._call(
+                [r.setup.remote(host, port, backend, rank_config.model_dump(mode="json"), self.model_path,
+                                "cuda" if gpu else "cpu", cfg.step_timeout_s, max(1, int(cfg.num_cpus_per_rank)))
+                 for r in self._ranks],
+                cfg.start_timeout_s, "start", key="trainer.start_timeout_s",
+            )  # fmt: skip
+            self.policy_version = versions[0]
+            self.nodes: list[str] = self._call([r.node.remote() for r in self._ranks], cfg.start_timeout_s, "start",
+                                               key="trainer.start_timeout_s")  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_config(cls, config: RayTrainerConfig | Mapping[str, Any], *, model_path: str) -> RayTrainerGroup:
+        return cls(config, model_path)
+
+    # -- the trainer calls
+
+    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
+        """One optimizer step on every rank; rank 0's metrics; token stats copied onto `groups`."""
+        import ray
+
+        ref = ray.put(list(groups))
+        results = self._call([r.train_step.remote(ref) for r in self._ranks], self.config.step_timeout_s, "train_step")
+        trajectories = [t for g in groups for t in g.trajectories]
+        for _, stats, _ in results:
+            for i, s in stats.items():
+                trajectories[i].info["token_stats"] = s
+        metrics, _, self.policy_version = results[0]
+        return metrics
+
+    def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        import ray
+
+        ref = ray.put(list(samples))
+        results = self._call([r.sft_step.remote(ref) for r in self._ranks], self.config.step_timeout_s, "sft_step")
+        metrics, self.policy_version = results[0]
+        return metrics
+
+    def state_for_engines(self, *, dtype: Any = None, bucket_mb: float | None = None) -> _RemoteWeights:
+        """The current weights (HF names, LoRA merged), streamed from rank 0 bucket by bucket."""
+        return _RemoteWeights(self, dtype, bucket_mb)
+
+    def save(self, path: str, extra_state: Mapping[str, Any] | None = None) -> None:
+        """Every rank writes its part of the checkpoint at `path` (a path all ranks can reach)."""
+        self._call([r.save.remote(str(path), dict(extra_state or {})) for r in self._ranks],
+                   self.config.step_timeout_s, "save")  # fmt: skip
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Every rank restores `path`; returns the checkpoint's extra state."""
+        results = self._call([r.load.remote(str(path)) for r in self._ranks], self.config.step_timeout_s, "load")
+        extra, self.policy_version = results[0]
+        return dict(extra)
+
+    def close(self) -> None:
+        """End the ranks (and the local Ray this group started)."""
+        import ray
+
+        for rank in self._ranks:
+            ray.kill(rank)
+        self._ranks = []
+        if self._placement is not None:
+            ray.util.remove_placement_group(self._placement)
+            self._placement = None
+        if self._own_ray:
+            ray.shutdown()
+            self._own_ray = False
+        self._broken = self._broken or "the trainer group is closed"
+
+    # -- internals
+
+    def _stream_weights(self, dtype: Any, bucket_mb: float | None) -> Iterator[list[tuple[str, Any]]]:
+        import ray
+
+        cfg = self.config
+        self._call([self._ranks[0].set_weight_format.remote(dtype, bucket_mb)], cfg.step_timeout_s, "weights")
+        deadline = time.monotonic() + cfg.step_timeout_s
+        stream = self._ranks[0].weight_buckets.options(num_returns="streaming").remote()
+        while True:
+            try:  # a streaming generator is "ready" once its next bucket (or its end) is there
+                ready, _ = ray.wait([stream], timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise TimeoutError
+                bucket: list[tuple[str, Any]] = ray.get(next(stream))
+            except StopIteration:
+                return
+            except BaseException as e:
+                raise self._fail(0, "weights", e, "trainer.step_timeout_s", cfg.step_timeout_s) from e
+            yield bucket
+
+    def _call(self, refs: list[Any], timeout_s: float, what: str, *, key: str = "trainer.step_timeout_s") -> list[Any]:
+        """The results of one call on some ranks (refs in rank order), failing at the first rank that fails."""
+        import ray
+
+        if self._broken and what != "start":
+            raise TrainerGroupError(f"trainer {what}: {self._broken}")
+        rank_of = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise self._fail(min(rank_of[r] for r in pending), what, TimeoutError(), key, timeout_s)
+            try:
+                ray.get(ready[0])
+            except BaseException as e:
+                raise self._fail(rank_of[ready[0]], what, e, key, timeout_s) from e
+        return list(ray.get(refs))
+
+    def _fail(self, rank: int, what: str, exc: BaseException, key: str, timeout_s: float) -> TrainerGroupError:
+        """Close the group (its other ranks may wait on the failed one forever) and say what happened."""
+        from ray.exceptions import GetTimeoutError
+
+        if isinstance(exc, TimeoutError | GetTimeoutError):
+            cause = f"did not finish within {key}={timeout_s}s"
+        elif actor_died(exc):
+            cause = f"died: {_first_line(exc)}"
+        else:
+            cause = f"failed: {_first_line(exc)}"
+        self._broken = f"trainer rank {rank} {cause} during {what}; the trainer group was closed"
+        self.close()
+        return TrainerGroupError(self._broken + " (a run resumes from its last checkpoint: agentrl train --resume RUN)")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gist of a (possibly remote, multi-line) exception."""
+    cause = getattr(exc, "cause", None)  # RayTaskError carries the rank's own exception
+    inner = cause if isinstance(cause, BaseException) else exc
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0] if text else ''}"
