@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
+
+from agentrl.errors import AgentrlError
 
 
 def start_or_join(address: str | None, num_cpus: float) -> bool:
@@ -38,3 +41,25 @@ def actor_died(exc: BaseException) -> bool:
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     return isinstance(exc, ActorDiedError | ActorUnavailableError | RayActorError)
+
+
+def require_free(address: str | None, need: Mapping[str, float], what: str) -> None:
+    """On a local Ray (`address` None), fail now if `need` (e.g. {"CPU": 2}) is more than Ray has free.
+
+    A local Ray has no autoscaler: actors that do not fit would stay pending
+    until their start deadline. On a cluster (`address` set) nodes may still
+    join, so nothing is checked there.
+    """
+    if address is not None:
+        return
+    import ray
+
+    free = ray.available_resources()
+    short = {k: v for k, v in need.items() if v > 0 and v > free.get(k, 0.0) + 1e-9}
+    if short:
+        have = {k: round(free.get(k, 0.0), 3) for k in need}
+        raise AgentrlError(
+            f"{what} needs {dict(need)} of the local Ray, which has {have} free "
+            "(another Ray plugin of this run may hold the rest): lower the per-actor num_cpus/num_gpus "
+            "(fractions are fine), or start Ray yourself (`ray start --head --num-cpus N`) and set address: auto"
+        )

@@ -278,6 +278,11 @@ class TrainerConfig(_Section):
     seed: int = Field(
         0, description="seed of the python, numpy and torch RNGs, set when the trainer is built"
     )
+    device: str = Field(
+        "cpu",
+        description="torch device of the policy, reference and critic (cpu, cuda, cuda:1, ...); "
+        "the ray trainer places each rank on its own GPU instead (num_gpus_per_rank)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:

@@ -37,10 +37,10 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from agentrl.trainers.config import TrainerConfig
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from agentrl.errors import AgentrlError
-from agentrl.ray_runtime import actor_died, start_or_join
+from agentrl.ray_runtime import actor_died, require_free, start_or_join
 from agentrl.types import Group, TrainSample
 
 
@@ -71,6 +71,20 @@ class RayTrainerConfig(TrainerConfig):
         description="seconds one call (a train step, a checkpoint, the weights for the engines) may take on "
         "every rank; also the process group's collective timeout",
     )
+
+    @model_validator(mode="after")
+    def _fits_the_group(self) -> RayTrainerConfig:
+        if self.world_size % self.sequence_parallel_size:
+            raise ValueError(
+                f"trainer.world_size={self.world_size} must be a multiple of "
+                f"trainer.sequence_parallel_size={self.sequence_parallel_size}"
+            )
+        if self.device != "cpu":
+            raise ValueError(
+                f"trainer.device={self.device}: the ray trainer places its ranks itself; "
+                "set trainer.num_gpus_per_rank (e.g. 1) to train on GPUs"
+            )
+        return self
 
 
 class TrainerGroupError(AgentrlError):
@@ -157,7 +171,7 @@ class _RemoteWeights:
 
 
 class RayTrainerGroup:
-    """`world_size` TorchTrainer ranks on Ray, driven like one trainer (see the module docstring)."""
+    """The torch trainer on `world_size` Ray actors (DDP/SP over gloo or nccl, one machine or a cluster)."""
 
     Config = RayTrainerConfig
 
@@ -167,11 +181,6 @@ class RayTrainerGroup:
         cfg = self.config = (
             config if isinstance(config, RayTrainerConfig) else RayTrainerConfig.model_validate(dict(config or {}))
         )
-        if cfg.sequence_parallel_size > 1 and cfg.world_size % cfg.sequence_parallel_size:
-            raise AgentrlError(
-                f"trainer.world_size={cfg.world_size} must be a multiple of "
-                f"trainer.sequence_parallel_size={cfg.sequence_parallel_size}"
-            )
         self.model_path = resolve_model(model_path) if model_path else resolve_model("smollm2-135m-instruct")
         self.policy_version = 0
         self._broken: str | None = None
@@ -184,6 +193,8 @@ class RayTrainerGroup:
         self._own_ray = start_or_join(cfg.address, cfg.world_size * cfg.num_cpus_per_rank)
         try:
             bundle = {"CPU": cfg.num_cpus_per_rank, **({"GPU": cfg.num_gpus_per_rank} if cfg.num_gpus_per_rank else {})}
+            require_free(cfg.address, {k: v * cfg.world_size for k, v in bundle.items()},
+                         f"trainer.world_size={cfg.world_size} ranks of {bundle}")  # fmt: skip
             self._placement = placement_group([dict(bundle) for _ in range(cfg.world_size)],
                                               strategy=cfg.placement.upper())  # fmt: skip
             ready, _ = ray.wait([self._placement.ready()], timeout=cfg.start_timeout_s)

@@ -70,7 +70,7 @@ class TorchTrainer:
         config: TrainerConfig | Mapping[str, Any] | None = None,
         model_path: str = "smollm2-135m-instruct",
         *,
-        device: str = "cpu",
+        device: str | None = None,
         world: World | None = None,
     ) -> None:
         from agentrl.engines.models import resolve_model
@@ -79,7 +79,11 @@ class TorchTrainer:
             config if isinstance(config, TrainerConfig) else TrainerConfig.model_validate(dict(config or {}))
         )
         self.model_path = resolve_model(model_path)
-        self.device = device
+        self.device = device or self.config.device
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise TrainerConfigError(
+                f"trainer.device={self.device}: torch sees no CUDA device here (torch.cuda.is_available() is False)"
+            )
         self.sp_groups: Any = self._sequence_parallel() if self.config.sequence_parallel_size > 1 else None
         if self.sp_groups is not None:  # data parallel runs across SP groups
             self.world = World(self.sp_groups.dp_rank, self.sp_groups.dp_size, self.sp_groups.dp_group)
@@ -88,7 +92,7 @@ class TorchTrainer:
         self.policy_version = 0
         self.step = 0
         _seed_everything(self.config.seed)
-        self.autocast_dtype = _autocast_dtype(self.config.dtype, device)
+        self.autocast_dtype = _autocast_dtype(self.config.dtype, self.device)
 
         self.model = self._load_policy()
         self.reference: nn.Module | None = self._load_reference() if self.config.kl.enabled else None
@@ -105,7 +109,7 @@ class TorchTrainer:
             self.model, chunk_tokens=self.config.logprob_chunk_tokens, temperature=self.config.temperature
         )
         if self.sp_groups is None:  # under SP, gradients are reduced by sequence_parallel.reduce_gradients
-            self.logprob_module = wrap(self.logprob_module, self.world, device)
+            self.logprob_module = wrap(self.logprob_module, self.world, self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
@@ -114,7 +118,7 @@ class TorchTrainer:
 
     @classmethod
     def from_config(
-        cls, config: TrainerConfig | Mapping[str, Any], *, model_path: str, device: str = "cpu"
+        cls, config: TrainerConfig | Mapping[str, Any], *, model_path: str, device: str | None = None
     ) -> TorchTrainer:
         return cls(config, model_path, device=device)
 

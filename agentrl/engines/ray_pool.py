@@ -45,7 +45,7 @@ from agentrl.engines.base import (
     WeightSource,
 )
 from agentrl.engines.routing import PrefixRouter
-from agentrl.ray_runtime import actor_died, start_or_join
+from agentrl.ray_runtime import actor_died, require_free, start_or_join
 from agentrl.registry import Plugins, PluginSpec
 from agentrl.types import JSON, Completion
 
@@ -160,6 +160,13 @@ class RayEnginePool:
         import ray
 
         self._own_ray = start_or_join(cfg.address, cfg.replicas * cfg.num_cpus)
+        try:
+            require_free(cfg.address, {"CPU": cfg.replicas * cfg.num_cpus, "GPU": cfg.replicas * cfg.num_gpus},
+                         f"engine.replicas={cfg.replicas} of {{CPU: {cfg.num_cpus}, GPU: {cfg.num_gpus}}}")  # fmt: skip
+        except BaseException:
+            if self._own_ray:
+                ray.shutdown()
+            raise
         params = dict(cfg.replica.params)
         fields = engine_cls.Config.model_fields
         if "model" in fields:

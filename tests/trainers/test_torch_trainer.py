@@ -216,3 +216,12 @@ def test_sequence_parallel_without_process_group_is_a_clear_error(tiny_llama_pat
 
     with pytest.raises(TrainerConfigError, match="sequence_parallel_size=2"):
         TorchTrainer({"sequence_parallel_size": 2}, tiny_llama_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_a_config_error(tiny_llama_path: str) -> None:
+    from agentrl.trainers.torch_trainer import TrainerConfigError
+
+    with pytest.raises(TrainerConfigError, match=r"trainer.device=cuda:1: torch sees no CUDA device"):
+        TorchTrainer({"device": "cuda:1"}, tiny_llama_path)
+    assert TorchTrainer({"dtype": "fp32"}, tiny_llama_path).device == "cpu"  # the default

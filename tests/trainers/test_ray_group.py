@@ -1,0 +1,160 @@
+"""The `ray` trainer: two torch-trainer ranks as Ray actors (gloo) behave as one process.
+
+`agentrl train` with `trainer.name=ray` runs first (it starts its own Ray in a
+subprocess); then one group serves the module's direct tests, and the test
+that kills a rank runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agentrl.errors import AgentrlError
+from agentrl.store import TrajectoryStore
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.distributed]
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG: dict[str, Any] = {"dtype": "fp32", "lr": 1e-3, "micro_batch_tokens": 48, "loss_agg": "seq_mean_token_mean"}
+
+
+def _weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {name: t for bucket in trainer.state_for_engines().buckets() for name, t in bucket}
+
+
+def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+ENGINES = {
+    "hf": [],  # the example's in-process engine: weights stream from rank 0 into it
+    "ray": ["engine={name: ray, dtype: fp32, replicas: 2, num_cpus: 0.5, block_tokens: 16}"],  # and on to 2 replicas
+}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, tiny_llama_path: str, engine: str) -> None:
+    """The whole loop (warm start, RL steps, weight sync, checkpoint) with the trainer on two Ray ranks."""
+    cmd = [
+        sys.executable, "-m", "agentrl.cli", "train", str(REPO / "examples" / "calculator.yaml"),
+        f"model.path={tiny_llama_path}", f"run.output_dir={tmp_path}", "run.name=ci", "engine.dtype=fp32",
+        *ENGINES[engine],
+        "trainer.name=ray", "trainer.world_size=2", "trainer.num_cpus_per_rank=0.5", "trainer.dtype=fp32",
+        "trainer.entropy_coef=0.01", "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
+        "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=12",
+        "rollout.max_turns=2", "warm_start.steps=1", "warm_start.batch_size=2",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "ci"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if "grad_norm" in r]
+    assert [r["step"] for r in rl] == [1, 2]
+    assert any("sft/loss" in r for r in rows)
+    # version 1 = after the SFT step; the engine's step-1 samples were scored by the trainer on the
+    # weights rank 0 streamed to it: exact agreement, as with the in-process trainer
+    assert [r["policy_version"] for r in rl] == [2.0, 3.0]
+    assert rl[0]["off_policy/staleness_max"] == 0 and rl[0]["off_policy/mismatch_kl"] < 1e-9
+    assert all(r["grad_norm"] > 0 for r in rl)
+    if engine == "ray":
+        assert all(r["rollout/engine/replicas_alive"] == 2 for r in rl)
+    ckpt = run / "checkpoints" / "step-000002"
+    assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
+    assert json.loads((ckpt / "extra_state.json").read_text())["step"] == 2
+    with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
+        trained = [r.trajectory for r in store.iter_records() if r.status == "trained"]
+    assert len(trained) == 2 * 2 * 4
+    # each rank trained half of the trajectories; the token view's values of all of them came back
+    assert all("token_stats" in t.info for t in trained)
+
+
+@pytest.fixture(scope="module")
+def group(tiny_llama_path: str) -> Iterator[Any]:
+    from agentrl.trainers.ray_group import RayTrainerGroup
+
+    g = RayTrainerGroup(dict(CONFIG, world_size=2, num_cpus_per_rank=1), tiny_llama_path)
+    yield g
+    g.close()
+
+
+def test_two_ranks_step_like_one_process(group: Any, tiny_llama_path: str, build: Any) -> None:
+    """Same groups, same seed: the same loss, weights, token stats and versions as one TorchTrainer."""
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    single = TorchTrainer(CONFIG, tiny_llama_path)
+    assert len(group.nodes) == 2
+    _assert_same_weights(_weights(group), _weights(single))
+
+    mine, theirs = build.groups(3, 3, seed=7), build.groups(3, 3, seed=7)
+    got, want = group.train_step(mine), single.train_step(theirs)
+    assert got["samples"] == want["samples"] == 9
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["off_policy/mismatch_kl"] == pytest.approx(want["off_policy/mismatch_kl"], rel=1e-5)
+    assert group.policy_version == single.policy_version == 1
+    _assert_same_weights(_weights(group), _weights(single))
+    for a, b in zip([t for g in mine for t in g.trajectories], [t for g in theirs for t in g.trajectories], strict=True):
+        got_stats, want_stats = a.info["token_stats"], b.info["token_stats"]
+        assert got_stats["advantages"] == want_stats["advantages"] and got_stats["is_mask"] == want_stats["is_mask"]
+        for x, y in zip(got_stats["trainer_logprobs"], want_stats["trainer_logprobs"], strict=True):
+            assert (x is None and y is None) or x == pytest.approx(y, abs=1e-4)
+
+    samples = [t.tokens() for t in mine[0].trajectories]  # the warm-start (SFT) step
+    assert group.sft_step(samples)["sft/loss"] == pytest.approx(single.sft_step(samples)["sft/loss"], rel=1e-5)
+    assert group.policy_version == single.policy_version == 2
+    _assert_same_weights(_weights(group), _weights(single))
+
+
+def test_a_checkpoint_resumes_to_the_same_next_step(group: Any, tmp_path: Path, build: Any) -> None:
+    """save, step, load, step again: the second step lands on the same weights (every rank restored)."""
+    group.save(str(tmp_path / "ckpt"), {"step": 7})
+    version = group.policy_version
+    group.train_step(build.groups(2, 3, seed=11))
+    after = _weights(group)
+    assert group.load(str(tmp_path / "ckpt")) == {"step": 7}
+    assert group.policy_version == version
+    group.train_step(build.groups(2, 3, seed=11))
+    _assert_same_weights(_weights(group), after)
+
+
+def test_bad_configs_name_the_key(tiny_llama_path: str) -> None:
+    from agentrl.trainers.ray_group import RayTrainerGroup
+
+    with pytest.raises(ValueError, match=r"trainer.world_size=3 must be a multiple of trainer.sequence_parallel_size=2"):
+        RayTrainerGroup(dict(CONFIG, world_size=3, sequence_parallel_size=2), tiny_llama_path)
+    with pytest.raises(ValueError, match=r"trainer.device=cuda: the ray trainer places its ranks itself; .*num_gpus_per_rank"):
+        RayTrainerGroup(dict(CONFIG, device="cuda"), tiny_llama_path)
+    # a GPU per rank on a local Ray without GPUs: a clear error at start, not ranks pending until the deadline
+    with pytest.raises(AgentrlError, match=r"trainer.world_size=2 ranks of .*'GPU': 1\.0.* needs .* of the local Ray"):
+        RayTrainerGroup(dict(CONFIG, world_size=2, num_gpus_per_rank=1), tiny_llama_path)
+
+
+def test_an_engine_pool_that_does_not_fit_beside_the_group_fails_at_once(group: Any, tiny_llama_path: str) -> None:
+    """The group holds both CPUs of this local Ray: a pool asking for 2 more names its keys instead of hanging."""
+    from agentrl.engines.ray_pool import RayEnginePool
+
+    with pytest.raises(AgentrlError, match=r"engine.replicas=2 of \{CPU: 1.0, GPU: 0.0\} needs .* of the local Ray"):
+        RayEnginePool(RayEnginePool.Config(model=tiny_llama_path, replicas=2, num_cpus=1))
+
+
+def test_a_dead_rank_fails_the_step_with_its_name_and_closes_the_group(group: Any, build: Any) -> None:
+    """Rank 1 is killed: the step fails at once (rank 0 would wait in a collective forever), and stays failed."""
+    import ray
+    from agentrl.trainers.ray_group import TrainerGroupError
+
+    ray.kill(group._ranks[1])
+    with pytest.raises(TrainerGroupError, match=r"trainer rank 1 died: .* during train_step; .*--resume"):
+        group.train_step(build.groups(2, 3, seed=3))
+    with pytest.raises(TrainerGroupError, match=r"trainer save: trainer rank 1 died"):
+        group.save("/nonexistent", {})
