@@ -32,6 +32,7 @@ process or one machine is a config change, not a launcher script:
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -142,7 +143,7 @@ class _Rank:
     def weight_buckets(self) -> Iterator[list[tuple[str, Any]]]:
         """The engine weights, one bucket per streamed item (rank 0)."""
         for bucket in self.trainer.state_for_engines(dtype=self._dtype, bucket_mb=self._bucket_mb).buckets():
-            yield list(bucket)
+            yield [(name, _to_wire(t)) for name, t in bucket]
 
     def set_weight_format(self, dtype: Any, bucket_mb: float | None) -> None:
         self._dtype, self._bucket_mb = dtype, bucket_mb
@@ -161,7 +162,11 @@ class _Rank:
 
 
 class _RemoteWeights:
-    """A WeightSource whose buckets stream from rank 0 (fetched as the engine iterates them)."""
+    """A WeightSource whose buckets stream from rank 0 (fetched as the engine iterates them).
+
+    Its tensors may be read-only views of Ray's object store (no copy on the
+    way): engines copy from them and never write into them.
+    """
 
     def __init__(self, group: RayTrainerGroup, dtype: Any, bucket_mb: float | None) -> None:
         self._group, self._dtype, self._bucket_mb = group, dtype, bucket_mb
@@ -300,7 +305,7 @@ class RayTrainerGroup:
                 ready, _ = ray.wait([stream], timeout=max(0.0, deadline - time.monotonic()))
                 if not ready:
                     raise TimeoutError
-                bucket: list[tuple[str, Any]] = ray.get(next(stream))
+                bucket = [(name, _from_wire(t)) for name, t in ray.get(next(stream))]
             except StopIteration:
                 return
             except BaseException as e:
@@ -339,6 +344,29 @@ class RayTrainerGroup:
         self._broken = f"trainer rank {rank} {cause} during {what}; the trainer group was closed"
         self.close()
         return TrainerGroupError(self._broken + " (a run resumes from its last checkpoint: agentrl train --resume RUN)")
+
+
+def _to_wire(tensor: Any) -> Any:
+    """A tensor as a numpy array where numpy has its dtype: Ray hands those over without a copy.
+
+    Measured on SmolLM2-135M (540 MB): ~0.23 s per read against ~0.64 s for pickled tensors.
+    """
+    import torch
+
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: sent as a tensor (pickled)
+        return tensor
+    return tensor.detach().cpu().numpy()
+
+
+def _from_wire(value: Any) -> Any:
+    import numpy as np
+    import torch
+
+    if isinstance(value, np.ndarray):  # read-only, in Ray's object store: engines only copy from it
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(value)
+    return value
 
 
 def _first_line(exc: BaseException) -> str:
