@@ -30,14 +30,19 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     path = Path(path)
     world = trainer.world
     tmp = path.with_name(path.name + ".tmp")
+    sharded = _gather_sharded(trainer) if trainer.fsdp else None  # collectives: every rank takes part
     if world.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        _save_model(trainer, tmp)
+        if sharded is not None:
+            _save_state(trainer.model.config, sharded[0], tmp / "model")
+            _copy_tokenizer(trainer.model_path, tmp / "model")
+        else:
+            _save_model(trainer, tmp)
         torch.save(
             {
-                "optimizer": trainer.optimizer.state_dict(),
+                "optimizer": sharded[1] if sharded is not None else trainer.optimizer.state_dict(),
                 "scheduler": trainer.scheduler.state_dict(),
                 "step": trainer.step,
                 "policy_version": trainer.policy_version,
@@ -62,9 +67,21 @@ def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not (path / "trainer_state.pt").exists():
         raise FileNotFoundError(f"{path} is not a trainer checkpoint (no trainer_state.pt)")
-    _load_model(trainer, path)
     state = torch.load(path / "trainer_state.pt", map_location=trainer.device, weights_only=False)
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    saved_mode = state.get("config", {}).get("data_parallel", "ddp")
+    if saved_mode != trainer.config.data_parallel:
+        raise ValueError(
+            f"{path} was written with trainer.data_parallel={saved_mode}; "
+            f"resume it with the same (this trainer has {trainer.config.data_parallel})"
+        )
+    _load_model(trainer, path)
+    if trainer.fsdp:  # a full (unsharded) optimizer state: each rank keeps its shard
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))  # fmt: skip
+    else:
+        trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = int(state["step"])
     trainer.policy_version = int(state["policy_version"])
@@ -92,16 +109,33 @@ def _save_model(trainer: TorchTrainer, out: Path) -> None:
 def _save_merged(trainer: TorchTrainer, out: Path) -> None:
     """A plain HF model dir holding the LoRA-merged weights."""
     from agentrl.trainers.weights import hf_named_tensors
+
+    state = {name: t.detach().cpu() for name, t in hf_named_tensors(trainer.model)}
+    _save_state(trainer.model.get_base_model().config, state, out)
+
+
+def _save_state(config: Any, state: dict[str, torch.Tensor], out: Path) -> None:
+    """A plain HF model dir of `config` holding the weights `state` (HF names, tied aliases once)."""
     from transformers import AutoModelForCausalLM
 
-    base_config = trainer.model.get_base_model().config
-    merged = AutoModelForCausalLM.from_config(base_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    state = {name: t.detach().cpu() for name, t in hf_named_tensors(trainer.model)}
-    missing, unexpected = merged.load_state_dict(state, strict=False)
-    tied = set(getattr(merged, "_tied_weights_keys", None) or [])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or [m for m in missing if m not in tied and not m.startswith("lm_head")]:
-        raise RuntimeError(f"merging LoRA for save: missing={missing} unexpected={unexpected}")
-    merged.save_pretrained(out, safe_serialization=True)
+        raise RuntimeError(f"saving the model: missing={missing} unexpected={unexpected}")
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _gather_sharded(trainer: TorchTrainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """FSDP: the full weights (HF names) and the full optimizer state, on CPU; complete on rank 0 only."""
+    from agentrl.trainers.distributed import full_tensor
+    from agentrl.trainers.weights import hf_named_tensors
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    weights = {name: full_tensor(t).detach().cpu() for name, t in hf_named_tensors(trainer.model)}
+    optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+    return weights, optimizer
 
 
 def _copy_tokenizer(src: str, out: Path) -> None:
@@ -113,6 +147,8 @@ def _copy_tokenizer(src: str, out: Path) -> None:
 
 
 def _load_model(trainer: TorchTrainer, path: Path) -> None:
+    from agentrl.trainers.weights import tied_aliases
+
     if trainer.config.lora is not None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -128,26 +164,20 @@ def _load_model(trainer: TorchTrainer, path: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in sorted((path / "model").glob("*.safetensors")):
         state.update(load_file(str(f), device=str(trainer.device)))
-    missing, unexpected = trainer.model.load_state_dict(state, strict=False)
-    tied = _tied_names(trainer.model)
+    if trainer.fsdp:  # every rank read the full weights; each keeps its shard
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        missing, unexpected = set_model_state_dict(
+            trainer.model, state, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+    else:
+        missing, unexpected = trainer.model.load_state_dict(state, strict=False)
+    tied = tied_aliases(trainer.model)
     bad_missing = [m for m in missing if m not in tied]
     if bad_missing or unexpected:
         raise RuntimeError(
             f"{path}/model does not match the model: missing={bad_missing} unexpected={unexpected}"
         )
-
-
-def _tied_names(model: torch.nn.Module) -> set[str]:
-    """State-dict names that alias another tensor (dropped by save_pretrained)."""
-    seen: dict[int, str] = {}
-    tied: set[str] = set()
-    for name, t in model.state_dict().items():
-        ptr = t.data_ptr()
-        if ptr in seen:
-            tied.add(name)
-        else:
-            seen[ptr] = name
-    return tied
 
 
 def _rng_state() -> dict[str, Any]:

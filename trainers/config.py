@@ -266,6 +266,13 @@ class TrainerConfig(_Section):
         description="ranks that split each packed row with ring attention (world size a multiple of it); "
         "1 = off, >1 not with gae",
     )
+    data_parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="how ranks share the model: ddp = a full copy per rank, gradients all-reduced; fsdp = "
+        "parameters, gradients and optimizer state sharded over the ranks (FSDP2), for models whose "
+        "training state does not fit one device; fsdp: full fine-tuning, not with lora, gae or "
+        "sequence_parallel_size > 1",
+    )
     weight_bucket_mb: float = Field(
         256.0, gt=0.0, description="max size in MiB of one bucket of weights sent to the engines"
     )
@@ -307,4 +314,15 @@ class TrainerConfig(_Section):
             )
         if self.kl.in_reward and not self.kl.enabled:
             raise ValueError("trainer.kl.in_reward=true needs trainer.kl.coef > 0")
+        if self.data_parallel == "fsdp":
+            unsupported = {
+                "trainer.lora": self.lora is not None,  # LoRA's trainable state is small: ddp fits it
+                "trainer.advantage=gae": self.advantage == "gae",
+                "trainer.sequence_parallel_size>1": self.sequence_parallel_size > 1,
+            }
+            if any(unsupported.values()):
+                raise ValueError(
+                    "trainer.data_parallel=fsdp does not support "
+                    + ", ".join(k for k, v in unsupported.items() if v) + " yet; use data_parallel: ddp"
+                )
         return self

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,48 @@ def wrap(module: nn.Module, world: World, device: str | torch.device) -> nn.Modu
         [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else None
     )
     return DDP(module, device_ids=device_ids, process_group=world.group, broadcast_buffers=False)
+
+
+def fully_shard(root: nn.Module, model: nn.Module, world: World, device: str | torch.device) -> nn.Module:
+    """Shard `model`'s parameters over the world with FSDP2: one unit per transformer block, `root` the outer one.
+
+    The blocks are the classes the HF model names in `_no_split_modules`; what
+    is left (embeddings, final norm, a tied lm_head) belongs to `root`, which
+    must be the module whose forward runs the whole model (`PackedLogprobs`):
+    the decoder and the lm_head are called inside it, so their parameters are
+    gathered for its forward and backward. Returns `root`, now an FSDP module.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as shard_module
+
+    mesh = DeviceMesh.from_group(world.group or dist.group.WORLD, torch.device(device).type)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no transformer blocks (_no_split_modules) to shard")
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            shard_module(module, mesh=mesh)
+    shard_module(root, mesh=mesh)
+    return root
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP-sharded) parameter: a collective for a DTensor, so every rank calls it."""
+    gather = getattr(t, "full_tensor", None)
+    return gather() if gather is not None else t
+
+
+def matched(batches: list[Any], world: World, dummy: Callable[[], Any]) -> list[Any]:
+    """`batches` padded with `dummy()` batches to the largest count on any rank.
+
+    Under FSDP every forward gathers parameters from every rank, so the ranks
+    must run as many forwards as each other; under DDP only the last backward
+    syncs, and the list is returned as it is.
+    """
+    if world.size <= 1:
+        return batches
+    most = int(all_reduce_max(torch.tensor([len(batches)]), world)[0])
+    return batches + [dummy() for _ in range(most - len(batches))]
 
 
 @contextlib.contextmanager

@@ -145,6 +145,11 @@ class _Rank:
         for bucket in self.trainer.state_for_engines(dtype=self._dtype, bucket_mb=self._bucket_mb).buckets():
             yield [(name, _to_wire(t)) for name, t in bucket]
 
+    def drain_weights(self) -> int:
+        """FSDP, ranks but 0: take part in gathering each tensor rank 0 streams (a collective); returns the count."""
+        buckets = self.trainer.state_for_engines(dtype=self._dtype, bucket_mb=self._bucket_mb).buckets()
+        return sum(len(bucket) for bucket in buckets)
+
     def set_weight_format(self, dtype: Any, bucket_mb: float | None) -> None:
         self._dtype, self._bucket_mb = dtype, bucket_mb
 
@@ -297,8 +302,10 @@ class RayTrainerGroup:
         import ray
 
         cfg = self.config
-        self._call([self._ranks[0].set_weight_format.remote(dtype, bucket_mb)], cfg.step_timeout_s, "weights")
+        self._call([r.set_weight_format.remote(dtype, bucket_mb) for r in self._ranks], cfg.step_timeout_s, "weights")
         deadline = time.monotonic() + cfg.step_timeout_s
+        # under FSDP each tensor is gathered from every rank: the others gather along and drop it
+        helpers = [r.drain_weights.remote() for r in self._ranks[1:]] if cfg.data_parallel == "fsdp" else []
         stream = self._ranks[0].weight_buckets.options(num_returns="streaming").remote()
         while True:
             try:  # a streaming generator is "ready" once its next bucket (or its end) is there
@@ -307,18 +314,25 @@ class RayTrainerGroup:
                     raise TimeoutError
                 bucket = [(name, _from_wire(t)) for name, t in ray.get(next(stream))]
             except StopIteration:
-                return
+                break
             except BaseException as e:
                 raise self._fail(0, "weights", e, "trainer.step_timeout_s", cfg.step_timeout_s) from e
             yield bucket
+        if helpers:
+            self._call(helpers, max(0.0, deadline - time.monotonic()), "weights", first_rank=1)
 
-    def _call(self, refs: list[Any], timeout_s: float, what: str, *, key: str = "trainer.step_timeout_s") -> list[Any]:
-        """The results of one call on some ranks (refs in rank order), failing at the first rank that fails."""
+    def _call(
+        self, refs: list[Any], timeout_s: float, what: str, *, key: str = "trainer.step_timeout_s", first_rank: int = 0
+    ) -> list[Any]:
+        """The results of one call on ranks `first_rank`, `first_rank + 1`, ... (refs in rank order).
+
+        Fails at the first rank that fails, or at the deadline.
+        """
         import ray
 
         if self._broken and what != "start":
             raise TrainerGroupError(f"trainer {what}: {self._broken}")
-        rank_of = {ref: i for i, ref in enumerate(refs)}
+        rank_of = {ref: first_rank + i for i, ref in enumerate(refs)}
         pending = list(refs)
         deadline = time.monotonic() + timeout_s
         while pending:

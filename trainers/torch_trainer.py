@@ -35,6 +35,9 @@ from agentrl.trainers.distributed import (
     all_reduce_max,
     all_reduce_sum,
     current_world,
+    full_tensor,
+    fully_shard,
+    matched,
     maybe_no_sync,
     shard,
     wrap,
@@ -108,7 +111,10 @@ class TorchTrainer:
         self.logprob_module = PackedLogprobs(
             self.model, chunk_tokens=self.config.logprob_chunk_tokens, temperature=self.config.temperature
         )
-        if self.sp_groups is None:  # under SP, gradients are reduced by sequence_parallel.reduce_gradients
+        self.fsdp = self.config.data_parallel == "fsdp" and self.world.size > 1
+        if self.fsdp:  # parameters sharded; the logprob module's forward gathers them (distributed.fully_shard)
+            self.logprob_module = fully_shard(self.logprob_module, self.model, self.world, self.device)
+        elif self.sp_groups is None:  # under SP, gradients are reduced by sequence_parallel.reduce_gradients
             self.logprob_module = wrap(self.logprob_module, self.world, self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -269,6 +275,19 @@ class TorchTrainer:
             batches.append(b)
         return batches
 
+    def _forwards(self, batches: list[PackedBatch], fields: Sequence[str], *, at_least_one: bool) -> list[PackedBatch]:
+        """This rank's micro-batches, then loss-free dummies where collectives need them.
+
+        Under FSDP every rank runs as many forwards as the busiest one (each
+        gathers parameters from all); with `at_least_one` (a backward follows)
+        an idle rank still runs one, for DDP's gradient all-reduce.
+        """
+        if self.fsdp:
+            batches = matched(batches, self.world, lambda: self._dummy_batch(fields))
+        if at_least_one and not batches:
+            batches = [self._dummy_batch(fields)]
+        return batches
+
     def _dummy_batch(self, fields: Sequence[str]) -> PackedBatch:
         """A 2-token batch with loss mask 0: keeps DDP's collective calls matched on an idle rank."""
         ids = [[self.pad_id, self.pad_id]]
@@ -285,12 +304,18 @@ class TorchTrainer:
         was_training = model.training
         model.eval()
         ctx: AbstractContextManager[Any] = model.disable_adapter() if disable_adapter else _null()  # type: ignore[operator]
+        real = len(batches)
+        if model is self.model:
+            batches = self._forwards(list(batches), list(batches[0].fields) if batches else ["loss_mask"],
+                                     at_least_one=False)  # fmt: skip
         try:
             with ctx:
-                for b in batches:
+                for k, b in enumerate(batches):
                     b = b.to(self.device)
                     with self._autocast():
                         lp, _ = self._logprobs(model, b)
+                    if k >= real:  # a dummy forward (FSDP): no sample's values
+                        continue
                     for i, part in zip(b.sample_indices, b.split(lp.float().cpu()), strict=True):
                         out[i] = part
         finally:
@@ -444,9 +469,8 @@ class TorchTrainer:
         cfg = self.config
         num_seqs, num_tokens, seq_len = counts
         self.optimizer.zero_grad(set_to_none=True)
-        if not batches:
-            batches = [self._dummy_batch(list(fields))]
-            recorder = None  # the dummy batch is no trajectory
+        real = len(batches)
+        batches = self._forwards(batches, list(fields), at_least_one=True)
         sums = torch.zeros(5, dtype=torch.float64)  # loss, pg, kl, entropy_sum, clipped_tokens
         for k, b in enumerate(batches):
             b = b.to(self.device)
@@ -504,6 +528,8 @@ class TorchTrainer:
                 ],
                 dtype=torch.float64,
             )
+            if k >= real:  # a dummy batch is no trajectory
+                continue
             if stats is not None:
                 stats.add(
                     prox.cpu(),
@@ -532,7 +558,7 @@ class TorchTrainer:
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return float(full_tensor(norm))  # under FSDP the norm over all shards
 
     def _reduce_sp_gradients(self) -> None:
         if self.sp_groups is not None:
@@ -593,7 +619,7 @@ class TorchTrainer:
         ids = [s.input_ids for s in samples]
         fields = {"loss_mask": _base_fields(samples)["loss_mask"]}
         mine = shard(len(samples), self.world)
-        batches = self._pack(ids, fields, mine) or [self._dummy_batch(["loss_mask"])]
+        batches = self._forwards(self._pack(ids, fields, mine), ["loss_mask"], at_least_one=True)
         num_tokens = int(sum(float(m.sum()) for m in fields["loss_mask"]))
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(1, dtype=torch.float64)
@@ -626,7 +652,7 @@ class TorchTrainer:
     ) -> NamedTensorBuckets:
         """The current weights as HF-named tensors in buckets (LoRA merged)."""
         return NamedTensorBuckets(
-            lambda: hf_named_tensors(self.model),
+            lambda: ((name, full_tensor(t)) for name, t in hf_named_tensors(self.model)),
             bucket_mb=bucket_mb or self.config.weight_bucket_mb,
             dtype=dtype,
         )

@@ -68,13 +68,25 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
         yield from _merged_lora_tensors(model)
         return
-    seen: set[int] = set()
+    aliases = tied_aliases(model)
     for name, t in model.state_dict(keep_vars=False).items():
-        ptr = t.data_ptr()
-        if ptr in seen and t.numel() > 0:
-            continue
-        seen.add(ptr)
-        yield name, t
+        if name not in aliases:
+            yield name, t
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that are another, earlier-named parameter (a tied lm_head).
+
+    Decided by parameter identity, so it is the same on every rank of an FSDP
+    group, where each rank's shards (and their addresses) differ.
+    """
+    first: set[int] = set()
+    aliases: set[str] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases.add(name)
+        first.add(id(p))
+    return aliases
 
 
 def _merged_lora_tensors(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -91,14 +103,10 @@ def _merged_lora_tensors(peft_model: nn.Module) -> Iterator[tuple[str, torch.Ten
                     delta = d if delta is None else delta + d
             if delta is not None:
                 deltas[mod_name] = delta
-    seen: set[int] = set()
+    aliases = tied_aliases(base)
     for name, t in base.state_dict().items():
-        if ".lora_" in name or "lora_embedding" in name:
+        if ".lora_" in name or "lora_embedding" in name or name in aliases:
             continue
-        ptr = t.data_ptr()
-        if ptr in seen and t.numel() > 0:
-            continue
-        seen.add(ptr)
         clean = name.replace(".base_layer.", ".")
         if name.endswith(".base_layer.weight"):
             mod_name = name[: -len(".base_layer.weight")]

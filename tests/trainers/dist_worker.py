@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from agentrl.trainers.distributed import init_from_env
+from agentrl.trainers.distributed import full_tensor, init_from_env
 from agentrl.trainers.torch_trainer import TorchTrainer
 from conftest import random_groups
 
@@ -28,7 +28,8 @@ def main() -> None:
         trainer = TorchTrainer(config, model_path)
         groups = random_groups(3, 3, seed=7)
         metrics = trainer.compute_gradients(groups)
-        grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+        # under FSDP a grad is this rank's shard: gathered whole (every rank, same order)
+        grads = {n: full_tensor(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
         token_stats = [tr.info.get("token_stats") for g in groups for tr in g.trajectories]
         torch.save(
             {"metrics": metrics, "grads": grads, "token_stats": token_stats}, out / f"{k}_rank{world.rank}.pt"

@@ -1,4 +1,4 @@
-"""Data parallel (DDP) and sequence parallel over 2 gloo ranks give the same loss and
+"""Data parallel (DDP and FSDP) and sequence parallel over 2 gloo ranks give the same loss and
 gradients as one process on the same data."""
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ CONFIG: dict[str, Any] = {
     "micro_batch_tokens": 48,
     "loss_agg": "seq_mean_token_mean",
 }
-# one spawn runs both: DP over 2 ranks, then SP=2 (ring attention, DP=1) in the same process group
-RUNS = [CONFIG, dict(CONFIG, sequence_parallel_size=2)]
+# one spawn runs all three in the same process group: DP over 2 ranks (DDP), SP=2 (ring attention, DP=1),
+# and DP with parameters, gradients and optimizer state sharded (FSDP)
+RUNS = [CONFIG, dict(CONFIG, sequence_parallel_size=2), dict(CONFIG, data_parallel="fsdp")]
+SP_RUN = 1
 
 
 def _free_port() -> int:
@@ -33,7 +35,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_gloo_ranks_dp_and_sp_match_one_process(tiny_llama_path: str, tmp_path: Path, build: Any) -> None:
+def test_two_gloo_ranks_ddp_sp_and_fsdp_match_one_process(tiny_llama_path: str, tmp_path: Path, build: Any) -> None:
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -73,7 +75,7 @@ def test_two_gloo_ranks_dp_and_sp_match_one_process(tiny_llama_path: str, tmp_pa
     for k in range(len(RUNS)):
         ranks = [torch.load(tmp_path / f"{k}_rank{r}.pt", weights_only=False)["token_stats"] for r in (0, 1)]
         filled = [[s for s in pair if s is not None] for pair in zip(*ranks, strict=True)]
-        assert [len(f) for f in filled] == [1 if k == 0 else 2] * len(stats1), f"run {k}"
+        assert [len(f) for f in filled] == [2 if k == SP_RUN else 1] * len(stats1), f"run {k}"
         for got, want in zip(filled, stats1, strict=True):
             for s in got:
                 assert s["advantages"] == want["advantages"] and s["is_mask"] == want["is_mask"]
