@@ -37,19 +37,20 @@ def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         torch.testing.assert_close(got[name], w, rtol=1e-5, atol=atol, msg=name)
 
 
-ENGINES = {
-    "hf": [],  # the example's in-process engine: weights stream from rank 0 into it
+VARIANTS = {
+    "hf": [],  # the example's in-process engine (and LoRA, DDP): weights stream from rank 0 into it
     "ray": ["engine={name: ray, dtype: fp32, replicas: 2, num_cpus: 0.5, block_tokens: 16}"],  # and on to 2 replicas
+    "fsdp": ["trainer.lora=null", "trainer.data_parallel=fsdp"],  # full fine-tuning, sharded over the ranks
 }
 
 
-@pytest.mark.parametrize("engine", sorted(ENGINES))
-def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, tiny_llama_path: str, engine: str) -> None:
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, tiny_llama_path: str, variant: str) -> None:
     """The whole loop (warm start, RL steps, weight sync, checkpoint) with the trainer on two Ray ranks."""
     cmd = [
         sys.executable, "-m", "agentrl.cli", "train", str(REPO / "examples" / "calculator.yaml"),
         f"model.path={tiny_llama_path}", f"run.output_dir={tmp_path}", "run.name=ci", "engine.dtype=fp32",
-        *ENGINES[engine],
+        *VARIANTS[variant],
         "trainer.name=ray", "trainer.world_size=2", "trainer.num_cpus_per_rank=0.5", "trainer.dtype=fp32",
         "trainer.entropy_coef=0.01", "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
         "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=12",
@@ -68,7 +69,7 @@ def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, tiny_llama_path:
     assert [r["policy_version"] for r in rl] == [2.0, 3.0]
     assert rl[0]["off_policy/staleness_max"] == 0 and rl[0]["off_policy/mismatch_kl"] < 1e-9
     assert all(r["grad_norm"] > 0 for r in rl)
-    if engine == "ray":
+    if variant == "ray":
         assert all(r["rollout/engine/replicas_alive"] == 2 for r in rl)
     ckpt = run / "checkpoints" / "step-000002"
     assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
