@@ -650,7 +650,11 @@ class TorchTrainer:
     def state_for_engines(
         self, *, dtype: torch.dtype | None = None, bucket_mb: float | None = None
     ) -> NamedTensorBuckets:
-        """The current weights as HF-named tensors in buckets (LoRA merged)."""
+        """The current weights as HF-named tensors in buckets (LoRA merged).
+
+        Under FSDP every rank must read it to the end, in step: each tensor is
+        gathered from all ranks as it is read (the `ray` trainer does this).
+        """
         return NamedTensorBuckets(
             lambda: ((name, full_tensor(t)) for name, t in hf_named_tensors(self.model)),
             bucket_mb=bucket_mb or self.config.weight_bucket_mb,
