@@ -26,7 +26,15 @@ from agentrl.run_dir import RunDir
 from agentrl.store import TrajectoryStore
 from agentrl.task_stream import TaskStream
 from agentrl.types import Group
-from agentrl.wiring import Parts, batch_metrics, build_parts, rollout_manager, run_eval, warm_start
+from agentrl.wiring import (
+    Parts,
+    batch_metrics,
+    build_parts,
+    rollout_manager,
+    run_eval,
+    sync_weights,
+    warm_start,
+)
 
 T = TypeVar("T")
 
@@ -47,7 +55,7 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
     stored = {g.id for g in retrain}
     if step == 0 and not retrain:
         await warm_start(config, parts, store, log)
-    await parts.engine.update_weights(parts.trainer.state_for_engines(), parts.trainer.policy_version)
+    await sync_weights(parts.engine, parts.trainer)
     stream = TaskStream(parts.train_tasks, seed=config.run.seed)
 
     lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
@@ -62,9 +70,7 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
         started = time.perf_counter()
         metrics = await _off_thread(lock, parts.trainer.train_step, batch)
         step += 1
-        synced = time.perf_counter()
-        await parts.engine.update_weights(parts.trainer.state_for_engines(), parts.trainer.policy_version)
-        metrics["time/weight_sync_s"] = time.perf_counter() - synced
+        metrics |= await sync_weights(parts.engine, parts.trainer)
         metrics |= extra() | batch_metrics(batch, parts.trainer.policy_version)
         metrics["time/step_s"] = time.perf_counter() - started
         fired = alerts.check(metrics)

@@ -8,6 +8,7 @@ engine, torch trainer) are imported only when built.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from agentrl.demonstrations import demonstration_sample
 from agentrl.engines.base import InferenceEngine
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
-from agentrl.errors import ConfigError
+from agentrl.errors import AgentrlError, ConfigError
 from agentrl.evaluation import EvalResult, evaluate
 from agentrl.metrics_log import MetricsLog
 from agentrl.rollout import RolloutManager
@@ -138,6 +139,34 @@ def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> Inf
         params["model"] = model_path
     engine: InferenceEngine = plugins.create_engine(config.engine.name, params, tokenizer=tokenizer)
     return engine
+
+
+async def sync_weights(engine: InferenceEngine, trainer: Any) -> dict[str, float]:
+    """Push the trainer's current weights to the engine, check the engine took them, and measure the push.
+
+    The check is the version handshake: after `update_weights(w, v)` the
+    engine must serve `v`. An engine whose update silently did nothing would
+    otherwise keep sampling old weights under new version tags. Returns
+    `time/weight_sync_s`, plus `weight_sync/mb`, `weight_sync/mb_per_s` and
+    `weight_sync/buckets` when the weight source counts what it handed out.
+    """
+    source = trainer.state_for_engines()
+    version = int(trainer.policy_version)
+    started = time.perf_counter()
+    await engine.update_weights(source, version)
+    took = time.perf_counter() - started
+    if engine.policy_version != version:
+        raise AgentrlError(
+            f"engine {type(engine).__name__} serves policy version {engine.policy_version} after "
+            f"update_weights(version={version}): the update did not take, and its samples would carry the wrong weights"
+        )
+    metrics = {"time/weight_sync_s": took}
+    sent = getattr(source, "sent_bytes", None)
+    if isinstance(sent, int) and sent > 0:
+        mb = sent / 2**20
+        metrics |= {"weight_sync/mb": mb, "weight_sync/mb_per_s": mb / max(took, 1e-9),
+                    "weight_sync/buckets": float(getattr(source, "sent_buckets", 0))}  # fmt: skip
+    return metrics
 
 
 def rollout_manager(config: RunConfig, parts: Parts, tasks: Iterable[Task]) -> RolloutManager:

@@ -175,9 +175,14 @@ class _RemoteWeights:
 
     def __init__(self, group: RayTrainerGroup, dtype: Any, bucket_mb: float | None) -> None:
         self._group, self._dtype, self._bucket_mb = group, dtype, bucket_mb
+        self.sent_bytes = 0  # what `buckets()` has handed out so far (the run logs `weight_sync/*`)
+        self.sent_buckets = 0
 
     def buckets(self) -> Iterator[Sequence[tuple[str, Any]]]:
-        yield from self._group._stream_weights(self._dtype, self._bucket_mb)
+        for bucket in self._group._stream_weights(self._dtype, self._bucket_mb):
+            self.sent_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            self.sent_buckets += 1
+            yield bucket
 
 
 class RayTrainerGroup:

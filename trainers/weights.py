@@ -37,6 +37,8 @@ class NamedTensorBuckets:
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
         self.dtype = dtype
         self.device = device
+        self.sent_bytes = 0  # what `buckets()` has handed out so far (the run logs `weight_sync/*`)
+        self.sent_buckets = 0
 
     def buckets(self) -> Iterator[Sequence[tuple[str, torch.Tensor]]]:
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -48,11 +50,13 @@ class NamedTensorBuckets:
             t = t.to(self.device, copy=True).contiguous()
             nbytes = t.numel() * t.element_size()
             if bucket and size + nbytes > self.bucket_bytes:
+                self.sent_bytes, self.sent_buckets = self.sent_bytes + size, self.sent_buckets + 1
                 yield bucket
                 bucket, size = [], 0
             bucket.append((name, t))
             size += nbytes
         if bucket:
+            self.sent_bytes, self.sent_buckets = self.sent_bytes + size, self.sent_buckets + 1
             yield bucket
 
     def names(self) -> list[str]:

@@ -67,6 +67,10 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
     rl_rows = [r for r in rows if r["step"] >= 1 and "grad_norm" in r]
     assert [r["step"] for r in rl_rows] == [1, 2, 3]
     assert all(0 < r["time/weight_sync_s"] < r["time/step_s"] for r in rl_rows)
+    # the tiny model's weights (~12 MiB in fp32, LoRA merged) in one 256 MiB bucket, every step
+    assert rl_rows[0]["weight_sync/mb"] > 10
+    assert all(r["weight_sync/mb"] == pytest.approx(rl_rows[0]["weight_sync/mb"]) for r in rl_rows)
+    assert all(r["weight_sync/buckets"] == 1 and r["weight_sync/mb_per_s"] > 0 for r in rl_rows)
     assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
     prefilled = [r["rollout/engine/prefill_tokens"] for r in rl_rows]  # the hf engine's stats(), run-long
     assert 0 < prefilled[0] < prefilled[1] < prefilled[2]

@@ -59,3 +59,39 @@ async def test_run_seed_seeds_the_episodes() -> None:
     assert len(first) == 4 and len(set(first)) == 4
     assert sorted(first) == sorted(again)  # type: ignore[type-var]
     assert not set(first) & set(other)
+
+
+class _Source:
+    """A weight source that says what it handed out, like the trainers' (no torch needed here)."""
+
+    def __init__(self, buckets: int, mb_each: int) -> None:
+        self._n, self._mb = buckets, mb_each
+        self.sent_bytes = self.sent_buckets = 0
+
+    def buckets(self):  # type: ignore[no-untyped-def]
+        for i in range(self._n):
+            self.sent_bytes += self._mb * 2**20
+            self.sent_buckets += 1
+            yield [(f"w{i}", None)]
+
+
+class DeafEngine(ScriptedEngine):
+    """Reads the weights but keeps serving its old version: an update that did not take."""
+
+    async def update_weights(self, weights, version):  # type: ignore[no-untyped-def]
+        for _bucket in weights.buckets():
+            pass
+
+
+async def test_a_weight_sync_is_measured_and_its_version_checked() -> None:
+    from agentrl.errors import AgentrlError
+    from agentrl.wiring import sync_weights
+
+    trainer = SimpleNamespace(policy_version=3, state_for_engines=lambda: _Source(buckets=2, mb_each=3))
+    engine = ScriptedEngine(tokenizer=SimpleChatTokenizer())
+    metrics = await sync_weights(engine, trainer)
+    assert engine.policy_version == 3
+    assert metrics["weight_sync/mb"] == 6.0 and metrics["weight_sync/buckets"] == 2.0
+    assert metrics["weight_sync/mb_per_s"] == pytest.approx(6.0 / metrics["time/weight_sync_s"])
+    with pytest.raises(AgentrlError, match=r"DeafEngine serves policy version 0 after update_weights\(version=3\)"):
+        await sync_weights(DeafEngine(tokenizer=SimpleChatTokenizer()), trainer)

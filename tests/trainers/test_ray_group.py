@@ -69,6 +69,7 @@ def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, tiny_llama_path:
     assert [r["policy_version"] for r in rl] == [2.0, 3.0]
     assert rl[0]["off_policy/staleness_max"] == 0 and rl[0]["off_policy/mismatch_kl"] < 1e-9
     assert all(r["grad_norm"] > 0 for r in rl)
+    assert all(r["weight_sync/mb"] > 10 and r["weight_sync/buckets"] >= 1 for r in rl)  # streamed from rank 0
     if variant == "ray":
         assert all(r["rollout/engine/replicas_alive"] == 2 for r in rl)
     ckpt = run / "checkpoints" / "step-000002"

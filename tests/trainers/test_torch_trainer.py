@@ -113,6 +113,9 @@ def test_weights_for_engines_are_hf_named_buckets(tiny_llama_path: str, build: A
     for b in buckets:
         size = sum(x.numel() * x.element_size() for _, x in b)
         assert size <= 0.05 * 1024 * 1024 or len(b) == 1
+    # what the run logs as weight_sync/mb and /buckets: exactly what was handed out
+    assert source.sent_buckets == len(buckets)
+    assert source.sent_bytes == sum(x.numel() * x.element_size() for b in buckets for _, x in b)
     engine = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
     state = dict(kv for b in buckets for kv in b)
     missing, unexpected = engine.load_state_dict(state, strict=False)
