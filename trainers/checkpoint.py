@@ -30,19 +30,21 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     path = Path(path)
     world = trainer.world
     tmp = path.with_name(path.name + ".tmp")
-    sharded = _gather_sharded(trainer) if trainer.fsdp else None  # collectives: every rank takes part
+    # FSDP: gathering the weights and the optimizer state are collectives, so every rank takes part
+    weights = _engine_weights(trainer) if trainer.fsdp else None
+    optimizer = _full_optimizer_state(trainer) if trainer.fsdp else trainer.optimizer.state_dict()
     if world.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        if sharded is not None:
-            _save_state(trainer.model.config, sharded[0], tmp / "model")
+        if weights is not None:
+            _save_state(trainer.model.config, weights, tmp / "model")
             _copy_tokenizer(trainer.model_path, tmp / "model")
         else:
             _save_model(trainer, tmp)
         torch.save(
             {
-                "optimizer": sharded[1] if sharded is not None else trainer.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "scheduler": trainer.scheduler.state_dict(),
                 "step": trainer.step,
                 "policy_version": trainer.policy_version,
@@ -108,10 +110,12 @@ def _save_model(trainer: TorchTrainer, out: Path) -> None:
 
 def _save_merged(trainer: TorchTrainer, out: Path) -> None:
     """A plain HF model dir holding the LoRA-merged weights."""
-    from agentrl.trainers.weights import hf_named_tensors
+    _save_state(trainer.model.get_base_model().config, _engine_weights(trainer), out)
 
-    state = {name: t.detach().cpu() for name, t in hf_named_tensors(trainer.model)}
-    _save_state(trainer.model.get_base_model().config, state, out)
+
+def _engine_weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    """The whole model as the engines get it (HF names, LoRA merged, FSDP shards gathered), on CPU."""
+    return {name: t for bucket in trainer.state_for_engines().buckets() for name, t in bucket}
 
 
 def _save_state(config: Any, state: dict[str, torch.Tensor], out: Path) -> None:
@@ -126,16 +130,12 @@ def _save_state(config: Any, state: dict[str, torch.Tensor], out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def _gather_sharded(trainer: TorchTrainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """FSDP: the full weights (HF names) and the full optimizer state, on CPU; complete on rank 0 only."""
-    from agentrl.trainers.distributed import full_tensor
-    from agentrl.trainers.weights import hf_named_tensors
+def _full_optimizer_state(trainer: TorchTrainer) -> dict[str, Any]:
+    """FSDP: the whole optimizer state (by parameter name), on CPU; complete on rank 0 only."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    weights = {name: full_tensor(t).detach().cpu() for name, t in hf_named_tensors(trainer.model)}
-    optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
-    return weights, optimizer
+    return get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
 
 
 def _copy_tokenizer(src: str, out: Path) -> None:

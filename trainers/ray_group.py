@@ -140,18 +140,15 @@ class _Rank:
         metrics = self.trainer.sft_step(samples)
         return metrics, int(self.trainer.policy_version)
 
-    def weight_buckets(self) -> Iterator[list[tuple[str, Any]]]:
+    def weight_buckets(self, dtype: Any, bucket_mb: float | None) -> Iterator[list[tuple[str, Any]]]:
         """The engine weights, one bucket per streamed item (rank 0)."""
-        for bucket in self.trainer.state_for_engines(dtype=self._dtype, bucket_mb=self._bucket_mb).buckets():
+        for bucket in self.trainer.state_for_engines(dtype=dtype, bucket_mb=bucket_mb).buckets():
             yield [(name, _to_wire(t)) for name, t in bucket]
 
-    def drain_weights(self) -> int:
+    def drain_weights(self, dtype: Any, bucket_mb: float | None) -> int:
         """FSDP, ranks but 0: take part in gathering each tensor rank 0 streams (a collective); returns the count."""
-        buckets = self.trainer.state_for_engines(dtype=self._dtype, bucket_mb=self._bucket_mb).buckets()
+        buckets = self.trainer.state_for_engines(dtype=dtype, bucket_mb=bucket_mb).buckets()
         return sum(len(bucket) for bucket in buckets)
-
-    def set_weight_format(self, dtype: Any, bucket_mb: float | None) -> None:
-        self._dtype, self._bucket_mb = dtype, bucket_mb
 
     def save(self, path: str, extra_state: dict[str, Any]) -> None:
         self.trainer.save(path, extra_state)
@@ -307,11 +304,10 @@ class RayTrainerGroup:
         import ray
 
         cfg = self.config
-        self._call([r.set_weight_format.remote(dtype, bucket_mb) for r in self._ranks], cfg.step_timeout_s, "weights")
         deadline = time.monotonic() + cfg.step_timeout_s
         # under FSDP each tensor is gathered from every rank: the others gather along and drop it
-        helpers = [r.drain_weights.remote() for r in self._ranks[1:]] if cfg.data_parallel == "fsdp" else []
-        stream = self._ranks[0].weight_buckets.options(num_returns="streaming").remote()
+        helpers = [r.drain_weights.remote(dtype, bucket_mb) for r in self._ranks[1:]] if cfg.data_parallel == "fsdp" else []
+        stream = self._ranks[0].weight_buckets.options(num_returns="streaming").remote(dtype, bucket_mb)
         while True:
             try:  # a streaming generator is "ready" once its next bucket (or its end) is there
                 ready, _ = ray.wait([stream], timeout=max(0.0, deadline - time.monotonic()))
