@@ -231,10 +231,11 @@ async def run_episode(
     try:
         t = deadlines.arm(env_timeout)
         try:
-            opening, _info = await env.reset(task, seed=seed)
+            opening, reset_info = await env.reset(task, seed=seed)
         except BaseException as e:
             deadlines.fail(e, ErrorClass.ENV, "env.reset", env_timeout)
         env_s += clock() - t
+        state_key = reset_info.get("state_key") if reset_info else None  # for the next turn's info
         tools = env.prompt_tools()
         conv = Conversation(tokenizer, opening, tools=tools, budgets=Budgets.from_rollout_config(config))
         turns = conv.turns
@@ -263,6 +264,9 @@ async def run_episode(
             except Exception as e:
                 raise _Failed(classify(e, ErrorClass.FORMAT), f"parse_action failed: {e}") from e
             conv.add_completion(completion, action)
+            if state_key is not None:
+                turns[-1].info["state_key"] = state_key
+                state_key = None
             t = deadlines.arm(env_timeout)
             try:
                 result = await step(action)
@@ -276,6 +280,7 @@ async def run_episode(
                 for key in ("tool_errors", "tool_timeouts"):
                     if key in result.info:
                         last.info[key] = result.info[key]
+                state_key = result.info.get("state_key")
                 extra = result.info.get("reward_breakdown")
                 if isinstance(extra, dict):
                     breakdown.update({str(k): float(v) for k, v in extra.items()})

@@ -9,8 +9,10 @@ store written today can be read (or refused clearly) by tomorrow's code.
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import os
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
@@ -193,7 +195,9 @@ class TrainSample:
     """Exactly what the trainer needs from one trajectory (aligned per token).
 
     `behaviour_logprobs[t]` and `versions[t]` are meaningful only where
-    `loss_mask[t] == 1` (they are 0.0 and -1 elsewhere).
+    `loss_mask[t] == 1` (they are 0.0 and -1 elsewhere). `turn_states[k]` names
+    the state turn k acted on (`Trajectory.turn_states`); turn-level credit
+    estimators group turns that share it. Empty when unknown.
     """
 
     input_ids: list[int]
@@ -205,6 +209,7 @@ class TrainSample:
     turn_rewards: list[float]
     group_id: str
     trajectory_id: str
+    turn_states: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -284,7 +289,29 @@ class Trajectory:
             turn_rewards=[t.reward for t in self.turns],
             group_id=self.group_id,
             trajectory_id=self.id,
+            turn_states=self.turn_states(),
         )
+
+    def turn_states(self) -> list[str]:
+        """A key per turn for the state the policy acted on (GiGPO's anchor state).
+
+        The env's own key when it gave one (`state_key` in the reset or step
+        info, stored as `Turn.info["state_key"]`: ``"env:<key>"``); otherwise a
+        digest of the tokens the policy read since its previous turn, i.e. the
+        observation as rendered (the whole prompt for turn 0: ``"obs:<hex>"``).
+        Turns of one group with equal keys faced the same observation.
+        """
+        keys: list[str] = []
+        previous_end = 0
+        for turn in self.turns:
+            key = turn.info.get("state_key")
+            if key is not None:
+                keys.append(f"env:{key}")
+            else:
+                seen = array("q", self.token_ids[previous_end : turn.start]).tobytes()
+                keys.append("obs:" + hashlib.blake2b(seen, digest_size=12).hexdigest())
+            previous_end = turn.end
+        return keys
 
     def to_dict(self) -> dict[str, JSON]:
         return {

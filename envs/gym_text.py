@@ -141,7 +141,16 @@ class GymTextEnv(Env):
             f"{RULES[self.cfg.game]}\nActions: {', '.join(self.actions)}. "
             "Reply with exactly one action as <action>NAME</action>.\n\n"
         )
-        return [Message(role="user", content=intro + self.render())], {"game": self.cfg.game}
+        return [Message(role="user", content=intro + self.render())], {"game": self.cfg.game, "state_key": self.state_key()}
+
+    def state_key(self) -> str:
+        """The game's own state (Gymnasium's observation) as a key: equal keys, equal boards.
+
+        Given with every reset and step, so turn-level credit (GiGPO) groups
+        turns that faced the same board however the text around it differed
+        (an invalid-action note, say).
+        """
+        return str(self._obs)
 
     def render(self) -> str:
         """The current game state as text."""
@@ -202,14 +211,14 @@ class GymTextEnv(Env):
                 messages=[] if out_of_turns else [Message(role="user", content=note + self.render())],
                 reward=reward,
                 truncated=out_of_turns,
-                info={"invalid_action": True, "return": self._return}
+                info={"invalid_action": True, "return": self._return, "state_key": self.state_key()}
                 | ({"truncation_reason": "invalid_actions" if self._steps < self.cfg.max_steps else "max_steps"}
                    if out_of_turns else {}),
             )
         self._obs, game_reward, terminated, truncated, _ = self._game.step(self.actions.index(choice))
         reward = float(game_reward)
         self._return += reward
-        info: dict[str, JSON] = {"action": choice, "return": self._return}
+        info: dict[str, JSON] = {"action": choice, "return": self._return, "state_key": self.state_key()}
         if truncated or (out_of_turns and not terminated):
             info["truncation_reason"] = "game_time_limit" if truncated else "max_steps"
         truncated = bool(truncated) or (out_of_turns and not terminated)

@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO, Dr. GRPO, RLOO, REINFORCE++ and GAE.
+"""Advantage estimators: GRPO, Dr. GRPO, RLOO, REINFORCE++, GAE, and turn-level turn_rloo and GiGPO.
 
 Everything works on per-sample 1-D float tensors aligned with the sample's
 tokens; only positions with `loss_mask == 1` (tokens the policy sampled) carry
@@ -16,7 +16,8 @@ turn, `G_k = sum_{j>=k} gamma^(j-k) rho_j` (rho: the rewards placed as above),
 and subtract a baseline computed from the group's episode returns `G_0`. With
 one turn (or only a final reward, gamma=1) this is exactly the textbook
 estimator. Token estimators (reinforce_pp, gae) discount per sampled token and
-can take a per-token KL penalty in the reward.
+can take a per-token KL penalty in the reward. The turn-level estimators
+(turn_rloo, gigpo) give each turn its own baseline: see `turn_credit`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from agentrl.trainers import turn_credit
 
 from agentrl.types import TrainSample
 
@@ -141,16 +143,23 @@ def compute_advantages(
     eps: float = 1e-6,
     kl_penalty: Sequence[Sequence[torch.Tensor]] | None = None,
     values: Sequence[Sequence[torch.Tensor]] | None = None,
+    step_weight: float = 1.0,
+    step_norm: str = "std",
 ) -> Advantages:
     """Advantages for every sample of every group, in the same nested order, flattened.
 
     `kl_penalty[g][i]` (optional) is the per-token `coef * KL` to subtract from the
     reward (KL in reward): token estimators subtract it per token, group
-    estimators subtract its sum from the episode return. `values` is needed by gae.
+    estimators subtract its sum from the episode return, turn estimators from
+    the reward of the turn it fell in. `values` is needed by gae;
+    `step_weight` and `step_norm` are gigpo's.
     """
     samples = [s for g in groups for s in g]
     masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
     flat_kl = [k for g in kl_penalty for k in g] if kl_penalty is not None else None
+
+    if estimator in ("turn_rloo", "gigpo"):
+        return _turn_advantages(groups, estimator, gamma, eps, flat_kl, masks, samples, step_weight, step_norm)
 
     if estimator in ("grpo", "dr_grpo", "rloo"):
         advs: list[torch.Tensor] = []
@@ -185,8 +194,48 @@ def compute_advantages(
         rets = [r for _, r in pairs]
         return Advantages(advs, rets, _adv_metrics(advs, masks, samples))
     raise ValueError(
-        f"unknown advantage estimator {estimator!r}; allowed: grpo, dr_grpo, rloo, reinforce_pp, gae"
+        f"unknown advantage estimator {estimator!r}; allowed: grpo, dr_grpo, rloo, reinforce_pp, gae, "
+        "turn_rloo, gigpo"
     )
+
+
+def _turn_advantages(
+    groups: Sequence[Sequence[TrainSample]],
+    estimator: str,
+    gamma: float,
+    eps: float,
+    flat_kl: Sequence[torch.Tensor] | None,
+    masks: Sequence[torch.Tensor],
+    samples: Sequence[TrainSample],
+    step_weight: float,
+    step_norm: str,
+) -> Advantages:
+    """turn_rloo or gigpo over every group (`turn_credit`); returns are the per-token turn returns."""
+    advs: list[torch.Tensor] = []
+    rets: list[torch.Tensor] = []
+    totals = {"turns": 0.0, "grouped_turns": 0.0, "step_groups": 0.0}
+    i = 0
+    for group in groups:
+        tables = [
+            turn_credit.turn_table(s, token_rewards(s), flat_kl[i + j] if flat_kl is not None else None, gamma)
+            for j, s in enumerate(group)
+        ]
+        if estimator == "turn_rloo":
+            advs.extend(turn_credit.turn_rloo(group, tables))
+        else:
+            group_advs, counts = turn_credit.gigpo(group, tables, step_weight=step_weight, step_norm=step_norm, eps=eps)
+            advs.extend(group_advs)
+            totals = {k: totals[k] + counts[k] for k in totals}
+        rets.extend(
+            t.to(torch.float32)[turn_credit.turn_index(s).clamp(max=t.numel() - 1)] * masks[i + j]
+            for j, (s, t) in enumerate(zip(group, tables, strict=True))
+        )
+        i += len(group)
+    metrics = _adv_metrics(advs, masks, samples)
+    if estimator == "gigpo" and totals["turns"]:
+        metrics["adv/step_grouped_fraction"] = totals["grouped_turns"] / totals["turns"]
+        metrics["adv/step_groups"] = totals["step_groups"]
+    return Advantages(advs, rets, metrics)
 
 
 def _episode_return(returns: torch.Tensor, sample: TrainSample) -> float:
@@ -214,7 +263,13 @@ def _group_baseline(
     mean = episode.mean()
     if estimator == "dr_grpo":
         return [(r - mean) * m for r, m in zip(returns, masks, strict=True)]
-    std = episode.std(correction=1) if n > 1 else torch.zeros(())
+    spread = float(episode.max() - episode.min())
+    if spread <= 1e-9 * max(1.0, float(episode.abs().max())):
+        # Equal episode returns: the group carries no signal, every advantage is 0. Without this,
+        # a later turn's return-to-go minus the episode mean (the rewards of earlier turns) would
+        # be divided by eps alone and explode.
+        return [torch.zeros_like(r) for r in returns]
+    std = episode.std(correction=1)
     return [(r - mean) / (std + eps) * m for r, m in zip(returns, masks, strict=True)]
 
 

@@ -1,7 +1,7 @@
 """TrainerConfig: every knob of the torch trainer, validated, with no torch import.
 
 One flat-ish pydantic model with a few nested sections (kl, off_policy, lora,
-critic), each `extra="forbid"`, so a misspelt key is an error that names it.
+critic, gigpo), each `extra="forbid"`, so a misspelt key is an error that names it.
 Defaults are a plain GRPO setup: no KL, no off-policy correction, bf16
 autocast, token-mean loss.
 """
@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
+AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "turn_rloo", "gigpo"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OffPolicyMode = Literal["none", "tis", "mis_token", "mis_seq", "decoupled"]
@@ -129,6 +129,17 @@ class CriticConfig(_Section):
     )
 
 
+class GigpoConfig(_Section):
+    """GiGPO's step advantage (advantage: gigpo); see trainers/turn_credit.py."""
+
+    step_weight: float = Field(
+        1.0, ge=0.0, description="weight of the step advantage added to the episode advantage (0 = GRPO)"
+    )
+    step_norm: Literal["std", "mean"] = Field(
+        "std", description="step groups: std = z-score within the group, mean = centre only"
+    )
+
+
 class TrainerConfig(_Section):
     """Configuration of `TorchTrainer` (plugin name `torch`)."""
 
@@ -136,13 +147,15 @@ class TrainerConfig(_Section):
     advantage: AdvantageName = Field(
         "grpo",
         description="estimator: grpo (group z-score), dr_grpo (group mean-centred), rloo (leave-one-out), "
-        "reinforce_pp (batch-whitened returns), gae (critic)",
+        "reinforce_pp (batch-whitened returns), gae (critic), turn_rloo (leave-one-out baseline per turn), "
+        "gigpo (episode + same-state step groups)",
     )
     gamma: float = Field(
         1.0,
         ge=0.0,
         le=1.0,
-        description="discount factor: per turn for grpo/dr_grpo/rloo, per sampled token for reinforce_pp/gae",
+        description="discount factor: per turn for grpo/dr_grpo/rloo/turn_rloo/gigpo, per sampled token for "
+        "reinforce_pp/gae",
     )
     adv_eps: float = Field(
         1e-6,
@@ -186,6 +199,9 @@ class TrainerConfig(_Section):
     )
     critic: CriticConfig | None = Field(
         None, description="PPO value model; required by advantage=gae, an error with the other estimators"
+    )
+    gigpo: GigpoConfig | None = Field(
+        None, description="GiGPO step-advantage settings; only with advantage=gigpo (defaults when absent)"
     )
 
     # optimisation
@@ -299,6 +315,11 @@ class TrainerConfig(_Section):
             raise ValueError(
                 f"trainer.critic is only used by trainer.advantage='gae' (got {self.advantage!r}): "
                 "remove it or set advantage: gae"
+            )
+        if self.gigpo is not None and self.advantage != "gigpo":
+            raise ValueError(
+                f"trainer.gigpo is only used by trainer.advantage='gigpo' (got {self.advantage!r}): "
+                "remove it or set advantage: gigpo"
             )
         if self.advantage == "gae" and self.sequence_parallel_size > 1:
             raise ValueError(

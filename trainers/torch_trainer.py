@@ -394,6 +394,8 @@ class TorchTrainer:
             eps=cfg.adv_eps,
             kl_penalty=kl_pen,
             values=_nest([values[i] for i in range(len(samples))], nested) if values else None,
+            step_weight=cfg.gigpo.step_weight if cfg.gigpo is not None else 1.0,
+            step_norm=cfg.gigpo.step_norm if cfg.gigpo is not None else "std",
         )
         metrics |= adv.metrics
 

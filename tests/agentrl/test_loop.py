@@ -141,6 +141,34 @@ async def _replay_serves_the_run(run: Path) -> None:
         assert [m["step"] for m in metrics["metrics"] if m["step"] >= 1] == [1, 2, 3]
 
 
+def test_frozenlake_gigpo_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
+    """Multi-turn gym_text with GiGPO: state keys reach the trainer, step groups form, metrics are documented."""
+    proc = subprocess.run(
+        _train_cmd(
+            "frozenlake.yaml", tmp_path, tiny_llama_path,
+            "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
+            "rollout.group_size=3", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=6",
+            "rollout.max_turns=3", "trainer.entropy_coef=0.01",
+        ),
+        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "ci"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rl_rows = [r for r in rows if "grad_norm" in r]
+    assert [r["step"] for r in rl_rows] == [1, 2]
+    assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
+    # every group's turn 0 stands on its task's start square: at least those turns are grouped
+    assert all(0 < r["adv/step_grouped_fraction"] <= 1 and r["adv/step_groups"] >= 2 for r in rl_rows)
+    with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
+        trained = [r.trajectory for r in store.iter_records() if r.status == "trained"]
+    assert len(trained) == 2 * 2 * 3
+    for traj in trained:
+        assert traj.turns and all(str(t.info["state_key"]).isdigit() for t in traj.turns)  # the lake square
+        assert traj.tokens().turn_states[0] == f"env:{traj.turns[0].info['state_key']}"
+        assert len(traj.info["token_stats"]["advantages"]) == len(traj.token_ids)
+
+
 def test_math_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
     """Single-turn RLVR on reasoning-gym arithmetic with the math verifier."""
     proc = subprocess.run(

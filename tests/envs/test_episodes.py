@@ -84,3 +84,20 @@ async def test_math_single_turn_episode_keeps_the_breakdown() -> None:
     task = next(iter(env.tasks()))
     traj = await episode(env, task, [f"\\boxed{{{task['answer']}}}"])
     assert traj.reward == 1.0 and traj.reward_breakdown == {"boxed": 1.0}
+
+
+async def test_gym_text_state_keys_name_the_board_each_turn_acted_on() -> None:
+    env = GymTextEnv(GymTextEnv.Config(game="taxi", max_steps=3))
+    task = next(iter(env.tasks()))
+    start = (await env.reset(task))[1]["state_key"]
+    # turn 0: no action (the board stays), turn 1: a move, turn 2: acts on the new board
+    traj = await episode(env, task, ["hmm", "<action>north</action>", "<action>south</action>"])
+    keys = [t.info.get("state_key") for t in traj.turns]
+    assert keys[0] == keys[1] == start and keys[2] != start
+    states = traj.tokens().turn_states
+    assert states == [f"env:{k}" for k in keys]
+    # without the env's keys the rendered observations differ (turn 1 reads an invalid-action note)
+    for turn in traj.turns:
+        del turn.info["state_key"]
+    digests = traj.turn_states()
+    assert all(d.startswith("obs:") for d in digests) and len(set(digests)) == 3
