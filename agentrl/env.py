@@ -30,6 +30,10 @@ class EnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MIX_MEMBER_KEY = "_env"
+"""Task key naming the member env of a mixture (`mix`): metrics break rewards down by it."""
+
+
 @dataclass(slots=True)
 class StepResult:
     """What one `Env.step` returns (Gymnasium's 5-tuple, with messages as obs)."""
@@ -80,6 +84,18 @@ class Env(ABC):
     def demonstrations(self) -> list[list[Message]]:
         """Optional worked conversations (few-shot prompts, SFT warm start)."""
         return []
+
+    def demonstration_sets(self) -> list[tuple[list[dict[str, Any]] | None, list[list[Message]]]]:
+        """The demonstrations grouped by the tool schemas their prompts render with.
+
+        One set by default: this env's `prompt_tools()` and `demonstrations()`.
+        An env whose episodes use different tools (a mixture) returns a set per tool list.
+        """
+        return [(self.prompt_tools(), self.demonstrations())]
+
+    def episode_name(self) -> str:
+        """The env name recorded on the trajectory of the current episode (`Trajectory.env`)."""
+        return self.name or type(self).__name__
 
     async def close(self) -> None:
         """Release resources (sandboxes, files). Safe to call twice."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from agentrl.chat import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
-from agentrl.env import Env, Task
+from agentrl.env import MIX_MEMBER_KEY, Env, Task
 from agentrl.rollout import run_episode
 from agentrl.rollout_config import RolloutConfig
 from agentrl.types import Trajectory
@@ -29,7 +29,21 @@ class EvalResult:
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {f"{prefix}reward_mean": self.reward_mean, f"{prefix}errors": float(self.errors)}
         out.update({f"{prefix}pass@{k}": v for k, v in self.pass_at.items()})
+        out.update({f"{prefix}{env}/reward_mean": v for env, v in reward_by_env(self.trajectories).items()})
         return out
+
+
+def reward_by_env(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Mean reward per member env of a mixture (`Trajectory.env` of tasks tagged with MIX_MEMBER_KEY).
+
+    Empty when no trajectory comes from a mixture: a single-env run's
+    `reward/mean` already says it all.
+    """
+    rewards: dict[str, list[float]] = {}
+    for t in trajectories:
+        if MIX_MEMBER_KEY in t.task:
+            rewards.setdefault(t.env, []).append(t.reward)
+    return {env: sum(r) / len(r) for env, r in sorted(rewards.items())}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

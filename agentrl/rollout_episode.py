@@ -318,7 +318,7 @@ async def run_episode(
         logprobs, versions, turns = conv.logprobs, conv.versions, conv.turns
     return Trajectory(
         task_id=str(task.get("id", "")),
-        env=env.name or type(env).__name__,
+        env=env.episode_name(),
         messages=messages,
         token_ids=token_ids,
         loss_mask=loss_mask,

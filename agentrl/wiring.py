@@ -20,7 +20,7 @@ from agentrl.engines.base import InferenceEngine
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
 from agentrl.errors import AgentrlError, ConfigError
-from agentrl.evaluation import EvalResult, evaluate
+from agentrl.evaluation import EvalResult, evaluate, reward_by_env
 from agentrl.metrics_log import MetricsLog
 from agentrl.rollout import RolloutManager
 from agentrl.store import TrajectoryStore
@@ -194,6 +194,7 @@ def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, flo
         "batch/trajectories": float(len(rewards)),
         "batch/sampled_tokens": float(sum(t.num_sampled_tokens for g in batch for t in g.trajectories)),
     }
+    out.update({f"reward/mean/{env}": v for env, v in reward_by_env([t for g in batch for t in g.trajectories]).items()})
     if stale:
         out["staleness/mean"] = statistics.fmean(stale)
         out["staleness/max"] = float(max(stale))
@@ -248,5 +249,8 @@ def _warm_start_samples(config: RunConfig, parts: Parts) -> list[TrainSample]:
             return [r.trajectory.tokens() for r in old.iter_records() if r.trajectory.reward >= ws.min_reward]
         finally:
             old.close()
-    tools = parts.probe.prompt_tools()  # rendered exactly as rollouts render them
-    return [demonstration_sample(parts.tokenizer, demo, tools=tools) for demo in parts.probe.demonstrations()]
+    return [  # rendered with the tools the env's episodes render
+        demonstration_sample(parts.tokenizer, demo, tools=tools)
+        for tools, demos in parts.probe.demonstration_sets()
+        for demo in demos
+    ]

@@ -338,3 +338,15 @@ def test_plugin_section_shorthand(plugins: Plugins) -> None:
 def test_misspelt_key_inside_an_optional_nested_section(plugins: Plugins) -> None:
     msg = error_of(plugins, BASE, "trainer.critic.lrr=0.1")
     assert msg == "trainer.critic.lrr: unknown key; did you mean 'lr'?"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")))
+def test_every_example_config_loads_and_lists_its_tasks(name: str) -> None:
+    """The shipped examples validate with the installed plugins, and their env has train tasks."""
+    from agentrl.config import load_config
+
+    path = Path(__file__).resolve().parents[2] / "examples" / name
+    config = load_config(path)
+    assert config.run.name == path.stem
+    env = config.registry().create_env(config.env.name, config.env.params)
+    assert next(iter(env.tasks("train")), None) is not None

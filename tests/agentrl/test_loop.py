@@ -169,6 +169,37 @@ def test_frozenlake_gigpo_fast_variant_trains(tmp_path: Path, tiny_llama_path: s
         assert len(traj.info["token_stats"]["advantages"]) == len(traj.token_ids)
 
 
+def test_mix_fast_variant_trains_every_member_and_logs_each(tmp_path: Path, tiny_llama_path: str) -> None:
+    """Two envs in one run: warm start on the calculator's demos, episodes of both, rewards per env."""
+    proc = subprocess.run(
+        _train_cmd(
+            "mix.yaml", tmp_path, tiny_llama_path,
+            "run.steps=2", "run.eval_every=2", "run.eval_tasks=4", "run.save_every=2", "run.loggers=[jsonl]",
+            "rollout.group_size=2", "rollout.groups_per_step=4", "rollout.max_new_tokens_per_turn=6",
+            "rollout.max_turns=2", "warm_start.steps=1", "warm_start.batch_size=2", "trainer.entropy_coef=0.01",
+        ),
+        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "ci"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
+    assert [r["step"] for r in rows if "grad_norm" in r] == [1, 2]
+    assert any("sft/loss" in r for r in rows)  # the calculator's demonstrations, with its tools
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    assert evals and all({"eval/calculator/reward_mean", "eval/lake/reward_mean"} <= r.keys() for r in evals)
+    with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
+        records = list(store.iter_records())
+    trained = [r.trajectory for r in records if r.status == "trained"]
+    assert len(trained) == 2 * 4 * 2 and {t.env for t in trained} <= {"calculator", "lake"}
+    by_env = Counter(t.env for t in trained)
+    logged = {k.removeprefix("reward/mean/") for r in rows for k in r if k.startswith("reward/mean/")}
+    assert logged == set(by_env)
+    for t in trained:  # each member opened its own episodes
+        opening = t.messages[0].content
+        assert ("<tool_call>" in opening) == (t.env == "calculator") and ("frozen lake" in opening) == (t.env == "lake")
+
+
 def test_math_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
     """Single-turn RLVR on reasoning-gym arithmetic with the math verifier."""
     proc = subprocess.run(
