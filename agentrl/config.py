@@ -57,6 +57,12 @@ class RunSection(_Section):
         ["jsonl"],
         description="metric sinks: jsonl (metrics.jsonl, always written), tensorboard, wandb, mlflow",
     )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="times the run restarts itself from its last checkpoint after a failure a restart can "
+        "fix (a trainer rank that died or missed its deadline); 0 = stop with the error",
+    )
 
 
 class ModelSection(_Section):

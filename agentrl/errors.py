@@ -16,7 +16,14 @@ from pydantic import BaseModel, ValidationError
 
 
 class AgentrlError(Exception):
-    """An error whose message alone tells the user what to fix."""
+    """An error whose message alone tells the user what to fix.
+
+    `restartable` marks failures that a fresh start from the last checkpoint
+    can get past (a trainer rank that died): `agentrl train` then restarts
+    itself, up to `run.max_restarts` times.
+    """
+
+    restartable: typing.ClassVar[bool] = False
 
 
 class ConfigError(AgentrlError, ValueError):

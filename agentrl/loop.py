@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from rich.console import Console
 from rich.markup import escape
 
 from agentrl.alerts import RunAlerts
@@ -39,13 +41,42 @@ from agentrl.wiring import (
 T = TypeVar("T")
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """What one start of the run leaves for the next: its directory, and how many restarts came before."""
+
+    run: RunDir | None
+    restarts: int = 0
+
+
 async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
-    """Train per `config` (or continue the run at `resume`); returns the run directory."""
+    """Train per `config` (or continue the run at `resume`); returns the run directory.
+
+    A restartable failure (`AgentrlError.restartable`: a trainer rank lost)
+    restarts the run from its last checkpoint, with freshly built parts, up to
+    `run.max_restarts` times; the resume is the same as `--resume`, so nothing
+    stored is lost or trained twice.
+    """
+    attempt = _Attempt(RunDir.existing(resume) if resume else None)  # a bad --resume fails before the model loads
+    while True:
+        try:
+            return await _train_once(config, attempt)
+        except AgentrlError as e:
+            if not e.restartable or attempt.run is None or attempt.restarts >= config.run.max_restarts:
+                raise
+            attempt.restarts += 1
+            Console(stderr=True).print(
+                f"[bold yellow]restart {attempt.restarts}/{config.run.max_restarts}[/]: {escape(str(e))}; "
+                f"resuming {attempt.run.path} from its last checkpoint"
+            )
+
+
+async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
+    """One start of the run: build everything, restore the newest checkpoint, train until done."""
     began = time.monotonic()  # `time/wall_s`: wall clock of this process, model loading included
-    existing = RunDir.existing(resume) if resume else None  # a bad --resume fails before the model loads
     check_loggers(config.run.loggers)
     parts = build_parts(config)  # a model that cannot be had fails before a run directory is made
-    run = existing or RunDir.create(Path(config.run.output_dir), config.run.name)
+    run = attempt.run = attempt.run or RunDir.create(Path(config.run.output_dir), config.run.name)
     run.config_path.write_text(dump_config(config))
     store = TrajectoryStore(run.store_path)
     store.set_run_config(config.model_dump(mode="json"))
@@ -73,6 +104,8 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
         metrics |= await sync_weights(parts.engine, parts.trainer)
         metrics |= extra() | batch_metrics(batch, parts.trainer.policy_version)
         metrics["time/step_s"] = time.perf_counter() - started
+        if attempt.restarts:
+            metrics["run/restarts"] = float(attempt.restarts)
         fired = alerts.check(metrics)
         metrics |= {f"alerts/{alert.name}": 1.0 for alert in fired}
         for group in batch:

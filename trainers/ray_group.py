@@ -89,7 +89,12 @@ class RayTrainerConfig(TrainerConfig):
 
 
 class TrainerGroupError(AgentrlError):
-    """A rank failed, died or missed its deadline; the group is closed and the run must resume."""
+    """A rank failed, died or missed its deadline; the group is closed and the run must resume.
+
+    Restartable: a new group from the last checkpoint (`run.max_restarts`) gets past a lost rank.
+    """
+
+    restartable = True
 
 
 class _Rank:
@@ -358,7 +363,7 @@ class RayTrainerGroup:
             cause = f"failed: {_first_line(exc)}"
         self._broken = f"trainer rank {rank} {cause} during {what}; the trainer group was closed"
         self.close()
-        return TrainerGroupError(self._broken + " (a run resumes from its last checkpoint: agentrl train --resume RUN)")
+        return TrainerGroupError(self._broken + " (a run resumes from its last checkpoint: agentrl train --resume RUN, or by itself with run.max_restarts)")
 
 
 def _to_wire(tensor: Any) -> Any:
