@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Mapping
 
 from agentrl.errors import AgentrlError
@@ -43,19 +44,26 @@ def actor_died(exc: BaseException) -> bool:
     return isinstance(exc, ActorDiedError | ActorUnavailableError | RayActorError)
 
 
-def require_free(address: str | None, need: Mapping[str, float], what: str) -> None:
-    """On a local Ray (`address` None), fail now if `need` (e.g. {"CPU": 2}) is more than Ray has free.
+def require_free(address: str | None, need: Mapping[str, float], what: str, *, grace_s: float = 10.0) -> None:
+    """On a local Ray (`address` None), fail soon if `need` (e.g. {"CPU": 2}) is more than Ray has free.
 
     A local Ray has no autoscaler: actors that do not fit would stay pending
-    until their start deadline. On a cluster (`address` set) nodes may still
-    join, so nothing is checked there.
+    until their start deadline. Resources of actors just closed take a moment
+    to come back (a restart builds a new group right after the old one
+    closed), so the check waits up to `grace_s` for them. On a cluster
+    (`address` set) nodes may still join, so nothing is checked there.
     """
     if address is not None:
         return
     import ray
 
-    free = ray.available_resources()
-    short = {k: v for k, v in need.items() if v > 0 and v > free.get(k, 0.0) + 1e-9}
+    deadline = time.monotonic() + grace_s
+    while True:
+        free = ray.available_resources()
+        short = {k: v for k, v in need.items() if v > 0 and v > free.get(k, 0.0) + 1e-9}
+        if not short or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     if short:
         have = {k: round(free.get(k, 0.0), 3) for k in need}
         raise AgentrlError(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from agentrl.trainers.distributed import full_tensor
 
 if TYPE_CHECKING:
     from agentrl.trainers.torch_trainer import TorchTrainer
@@ -32,14 +33,17 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     tmp = path.with_name(path.name + ".tmp")
     # FSDP: gathering the weights and the optimizer state are collectives, so every rank takes part
     weights = _engine_weights(trainer) if trainer.fsdp else None
+    adapter = _full_adapter_state(trainer) if trainer.fsdp and trainer.config.lora is not None else None
     optimizer = _full_optimizer_state(trainer) if trainer.fsdp else trainer.optimizer.state_dict()
     if world.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         if weights is not None:
-            _save_state(trainer.model.config, weights, tmp / "model")
+            _save_state(_hf_config(trainer), weights, tmp / "model")
             _copy_tokenizer(trainer.model_path, tmp / "model")
+            if adapter is not None:
+                trainer.model.save_pretrained(tmp / "adapter", state_dict=adapter)
         else:
             _save_model(trainer, tmp)
         torch.save(
@@ -110,7 +114,22 @@ def _save_model(trainer: TorchTrainer, out: Path) -> None:
 
 def _save_merged(trainer: TorchTrainer, out: Path) -> None:
     """A plain HF model dir holding the LoRA-merged weights."""
-    _save_state(trainer.model.get_base_model().config, _engine_weights(trainer), out)
+    _save_state(_hf_config(trainer), _engine_weights(trainer), out)
+
+
+def _hf_config(trainer: TorchTrainer) -> Any:
+    """The HF config of the policy (under LoRA, of the base model the adapters sit on)."""
+    model = trainer.model
+    return model.get_base_model().config if trainer.config.lora is not None else model.config
+
+
+def _full_adapter_state(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    """FSDP + LoRA: the adapter parameters gathered whole (a collective: every rank calls it), by FQN."""
+    return {
+        name: full_tensor(t).detach().cpu()
+        for name, t in trainer.model.state_dict().items()
+        if ".lora_" in name
+    }
 
 
 def _engine_weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -157,7 +176,18 @@ def _load_model(trainer: TorchTrainer, path: Path) -> None:
         files = list(adapter.glob("adapter_model.safetensors"))
         if not files:
             raise FileNotFoundError(f"{adapter}: no adapter_model.safetensors to resume LoRA from")
-        set_peft_model_state_dict(trainer.model, load_file(str(files[0]), device=str(trainer.device)))
+        saved = load_file(str(files[0]), device=str(trainer.device))
+        if not trainer.fsdp:
+            set_peft_model_state_dict(trainer.model, saved)
+            return
+        # the file names parameters without the adapter's name; every rank keeps its shard of each
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        by_plain_name = {name.replace(".default.", "."): name for name in trainer.model.state_dict() if ".lora_" in name}
+        if set(saved) != set(by_plain_name):
+            raise RuntimeError(f"{adapter} does not match the model's LoRA parameters")
+        set_model_state_dict(trainer.model, {by_plain_name[k]: v for k, v in saved.items()},
+                             options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
         return
     from safetensors.torch import load_file
 

@@ -286,8 +286,8 @@ class TrainerConfig(_Section):
         "ddp",
         description="how ranks share the model: ddp = a full copy per rank, gradients all-reduced; fsdp = "
         "parameters, gradients and optimizer state sharded over the ranks (FSDP2), for models whose "
-        "training state does not fit one device; fsdp: full fine-tuning, not with lora, gae or "
-        "sequence_parallel_size > 1",
+        "training state does not fit one device (with lora: the frozen base is sharded too); fsdp is not "
+        "with gae or sequence_parallel_size > 1",
     )
     weight_bucket_mb: float = Field(
         256.0, gt=0.0, description="max size in MiB of one bucket of weights sent to the engines"
@@ -337,7 +337,6 @@ class TrainerConfig(_Section):
             raise ValueError("trainer.kl.in_reward=true needs trainer.kl.coef > 0")
         if self.data_parallel == "fsdp":
             unsupported = {
-                "trainer.lora": self.lora is not None,  # LoRA's trainable state is small: ddp fits it
                 "trainer.advantage=gae": self.advantage == "gae",
                 "trainer.sequence_parallel_size>1": self.sequence_parallel_size > 1,
             }

@@ -130,13 +130,17 @@ def test_a_checkpoint_resumes_to_the_same_next_step(group: Any, tmp_path: Path, 
     _assert_same_weights(_weights(group), after)
 
 
-def test_fsdp_ranks_step_save_and_resume_like_one_process(group: Any, tiny_llama_path: str, build: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp_ranks_step_save_and_resume_like_one_process(
+    group: Any, tiny_llama_path: str, build: Any, tmp_path: Path, lora: bool
+) -> None:
     """data_parallel=fsdp: sharded ranks give one process's loss and weights (gathered for the engine from
-    every rank), and a checkpoint (full weights and optimizer state, gathered) resumes to the same next step."""
+    every rank, LoRA merged), and a checkpoint (full weights and optimizer state, gathered; the adapter too)
+    resumes to the same next step."""
     from agentrl.trainers.ray_group import RayTrainerGroup
     from agentrl.trainers.torch_trainer import TorchTrainer
 
-    config = dict(CONFIG, data_parallel="fsdp")
+    config = dict(CONFIG, data_parallel="fsdp") | ({"lora": {"r": 4, "alpha": 8}} if lora else {})
     sharded = RayTrainerGroup(dict(config, world_size=2, num_cpus_per_rank=0.5), tiny_llama_path)
     try:
         single = TorchTrainer(config, tiny_llama_path)  # one rank: nothing to shard, the reference
@@ -158,6 +162,7 @@ def test_fsdp_ranks_step_save_and_resume_like_one_process(group: Any, tiny_llama
         saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
         for name, w in _weights(sharded).items():
             torch.testing.assert_close(saved[name], w, rtol=0, atol=0, msg=name)
+        assert (tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors").is_file() == lora
         sharded.train_step(build.groups(2, 3, seed=10))
         after = _weights(sharded)
         assert sharded.load(str(tmp_path / "ckpt")) == {"step": 3}

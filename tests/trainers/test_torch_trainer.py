@@ -228,3 +228,15 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tiny_llama_path: str) -> N
     with pytest.raises(TrainerConfigError, match=r"trainer.device=cuda:1: torch sees no CUDA device"):
         TorchTrainer({"device": "cuda:1"}, tiny_llama_path)
     assert TorchTrainer({"dtype": "fp32"}, tiny_llama_path).device == "cpu"  # the default
+
+
+def test_fsdp_takes_lora_but_not_gae_or_sequence_parallel() -> None:
+    from pydantic import ValidationError
+
+    from agentrl.trainers.config import TrainerConfig
+
+    assert TrainerConfig(data_parallel="fsdp", lora={"r": 4}).lora is not None
+    with pytest.raises(ValidationError, match=r"data_parallel=fsdp does not support trainer\.advantage=gae yet"):
+        TrainerConfig(data_parallel="fsdp", advantage="gae", critic={})
+    with pytest.raises(ValidationError, match=r"does not support trainer\.sequence_parallel_size>1 yet"):
+        TrainerConfig(data_parallel="fsdp", sequence_parallel_size=2)
