@@ -231,9 +231,8 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tiny_llama_path: str) -> N
 
 
 def test_fsdp_takes_lora_but_not_gae_or_sequence_parallel() -> None:
-    from pydantic import ValidationError
-
     from agentrl.trainers.config import TrainerConfig
+    from pydantic import ValidationError
 
     assert TrainerConfig(data_parallel="fsdp", lora={"r": 4}).lora is not None
     with pytest.raises(ValidationError, match=r"data_parallel=fsdp does not support trainer\.advantage=gae yet"):
