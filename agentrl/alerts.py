@@ -1,6 +1,6 @@
 """Run alerts: a few metrics that mean a run is going wrong, watched every step.
 
-Two conditions are checked after each train step, on that step's metrics:
+Three conditions are checked after each train step, on that step's metrics:
 
 - `engine_drift`: `off_policy/fresh_mismatch_kl` (the KL between engine and
   trainer over the tokens the engine sampled with the very weights the
@@ -13,6 +13,11 @@ Two conditions are checked after each train step, on that step's metrics:
   an error (`rollout/errors/*` over `rollout/episodes`) is above
   `error_share`: the env, tools, sandbox or engine are failing more than they
   work.
+- `nonfinite_grad`: the step skipped at least `skipped_updates` optimizer
+  updates because the gradient norm was NaN or inf (`optim/skipped_updates`;
+  the trainer never applies such an update). Once is an accident of one
+  batch; every step means the loss itself is broken (a NaN reward, an
+  overflow in low precision).
 
 A condition fires when it held on `patience` consecutive steps. A firing is
 logged in the step's metrics (`alerts/<name>` = 1) and printed; with
@@ -46,6 +51,11 @@ class AlertsSection(BaseModel):
     error_share: float | None = Field(
         0.5, gt=0, le=1, description="episode_errors when more than this share of the step's episodes failed"
     )
+    skipped_updates: int | None = Field(
+        1, ge=1,
+        description="nonfinite_grad when a step skipped at least this many optimizer updates for a NaN/inf "
+        "gradient norm (optim/skipped_updates)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -94,5 +104,12 @@ class RunAlerts:
                 f"{share:.0%} of the step's episodes failed ({errors:.0f} of {episodes:.0f}; see rollout/errors/*) "
                 f"> error_share={cfg.error_share:g}"
                 if share > cfg.error_share else None
+            )  # fmt: skip
+        skipped = m.get("optim/skipped_updates")
+        if cfg.skipped_updates is not None and skipped is not None:
+            out["nonfinite_grad"] = (
+                f"optim/skipped_updates={skipped:.0f}: the gradient norm was NaN or inf, so the update was "
+                "skipped (weights unchanged); look for non-finite rewards or advantages, or low-precision overflow"
+                if skipped >= cfg.skipped_updates else None
             )  # fmt: skip
         return out

@@ -273,9 +273,12 @@ async def run_episode(
             except BaseException as e:
                 deadlines.fail(e, ErrorClass.ENV, "env.step", env_timeout)
             env_s += clock() - t
+            step_reward = result.reward
+            if step_reward - step_reward != 0.0:  # NaN or inf: it would poison the group's advantages
+                raise _Failed(ErrorClass.REWARD, f"env.step returned a non-finite reward {step_reward!r}")
             last = turns[-1]
-            last.reward = result.reward
-            reward += result.reward
+            last.reward = step_reward
+            reward += step_reward
             if result.info:
                 for key in ("tool_errors", "tool_timeouts"):
                     if key in result.info:

@@ -22,6 +22,7 @@ import itertools
 import math
 import random
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -94,6 +95,7 @@ class TorchTrainer:
             self.world = world if world is not None else current_world()
         self.policy_version = 0
         self.step = 0
+        self.skipped_updates = 0  # optimizer updates dropped for a non-finite gradient norm (run total)
         _seed_everything(self.config.seed)
         self.autocast_dtype = _autocast_dtype(self.config.dtype, self.device)
 
@@ -344,6 +346,7 @@ class TorchTrainer:
     def _step(self, groups: Sequence[Group], *, apply: bool) -> dict[str, float]:
         t0 = time.perf_counter()
         cfg = self.config
+        skipped_before = self.skipped_updates
         nested = [[t.tokens() for t in g.trajectories] for g in groups if g.trajectories]
         samples = [s for g in nested for s in g]
         trajectories = [t for g in groups for t in g.trajectories]  # aligned with samples
@@ -445,8 +448,9 @@ class TorchTrainer:
             run = sum(layout_cost(b.cu_seqlens.tolist(), b.families) for b in first_epoch_batches)
             pack_metrics["pack/shared_prefix_saved"] = 1.0 - run / max(real, 1)
         metrics |= self._finish(sums, stats, updates, len(samples), pack_metrics)
+        metrics["optim/skipped_updates"] = float(self.skipped_updates - skipped_before)
         if apply:
-            self.scheduler.step()
+            self._advance_schedule()
             self.step += 1
             self.policy_version += 1
         metrics["policy_version"] = float(self.policy_version)
@@ -555,12 +559,29 @@ class TorchTrainer:
         }
 
     def _optimizer_step(self) -> float:
+        """Clip and apply the accumulated gradients; returns the norm before clipping.
+
+        A non-finite norm (a NaN or inf anywhere in the gradients: a NaN
+        reward, an overflow) skips the update and counts it in
+        `skipped_updates`: one AdamW step on NaN gradients would make every
+        weight NaN, and the engine would serve them. Every rank sees the same
+        (all-reduced) norm, so all skip together.
+        """
         params = [p for p in self.model.parameters() if p.requires_grad]
         self._reduce_sp_gradients()
-        norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)
-        self.optimizer.step()
+        norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            self.skipped_updates += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return float(full_tensor(norm))  # under FSDP the norm over all shards
+        return norm  # under FSDP the norm over all shards
+
+    def _advance_schedule(self) -> None:
+        """One LR-schedule step per train step, applied or skipped (torch warns when no update ran yet)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
 
     def _reduce_sp_gradients(self) -> None:
         if self.sp_groups is not None:
@@ -634,14 +655,16 @@ class TorchTrainer:
                 (loss * self.world.size).backward()
             total += float(loss.detach())
         lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used, as train_step reports it
+        skipped_before = self.skipped_updates
         grad_norm = self._optimizer_step()
-        self.scheduler.step()
+        self._advance_schedule()
         self.step += 1
         self.policy_version += 1
         pad = self._padding_metrics(batches, ids)
         return {
             "sft/loss": float(all_reduce_sum(total, self.world)[0]),
             "grad_norm": grad_norm,
+            "optim/skipped_updates": float(self.skipped_updates - skipped_before),
             "lr": lr,
             "time/step_s": time.perf_counter() - t0,
             "policy_version": float(self.policy_version),

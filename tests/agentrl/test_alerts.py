@@ -52,3 +52,12 @@ def test_bad_settings_name_the_key() -> None:
         AlertsSection.model_validate({"error_share": 1.5})
     with pytest.raises(ValidationError, match="patience"):
         AlertsSection.model_validate({"patience": 0})
+
+
+def test_nonfinite_grad_fires_on_skipped_updates() -> None:
+    alerts = RunAlerts(AlertsSection(patience=1))
+    fired = alerts.check({**HEALTHY, "optim/skipped_updates": 1.0})
+    assert [a.name for a in fired] == ["nonfinite_grad"] and "NaN or inf" in fired[0].message
+    assert names(alerts, {**HEALTHY, "optim/skipped_updates": 0.0}) == []
+    assert names(RunAlerts(AlertsSection(patience=1, skipped_updates=None)), {"optim/skipped_updates": 4.0}) == []
+    assert names(RunAlerts(AlertsSection(patience=1, skipped_updates=2)), {"optim/skipped_updates": 1.0}) == []

@@ -76,6 +76,8 @@ class CalcEnv(ToolEnv):
     async def score(self, task: Task, messages: Sequence[Message]) -> float | RewardResult:
         if task.get("fail") == "reward" and self._should_fail(task):
             raise EpisodeFailure(ErrorClass.REWARD, "verifier crashed")
+        if task.get("fail") in ("nan", "inf", "-inf"):  # a verifier that returns garbage instead of raising
+            return float(task["fail"])
         if task.get("coin"):
             return float((self.seed or 0) % 2)
         answer = re.findall(r"-?\d+", messages[-1].content)
@@ -199,6 +201,8 @@ async def test_per_turn_token_budget_cuts_the_reply(tok: SimpleChatTokenizer) ->
         ({"fail": "sandbox"}, ErrorClass.SANDBOX),
         ({"fail": "timeout"}, ErrorClass.TIMEOUT),
         ({"fail": "reward"}, ErrorClass.REWARD),
+        ({"fail": "nan"}, ErrorClass.REWARD),  # a NaN reward would poison its group's advantages
+        ({"fail": "-inf"}, ErrorClass.REWARD),
         ({"prompt": "GARBLE"}, ErrorClass.FORMAT),
     ],
 )
@@ -209,6 +213,8 @@ async def test_failures_are_classified_on_the_trajectory(
     traj = await run_single(CalcEnv(), task, tok, config(env_timeout_s=1.0 if kind is ErrorClass.TIMEOUT else 5.0))
     assert traj.error is not None and traj.error.kind is kind, traj.error
     assert traj.reward == 0.0
+    if task.get("fail") in ("nan", "-inf"):
+        assert f"non-finite reward {float(task['fail'])!r}" in traj.error.message
     assert len(traj.token_ids) == len(traj.loss_mask) == len(traj.versions)
 
 

@@ -239,3 +239,22 @@ def test_fsdp_takes_lora_but_not_gae_or_sequence_parallel() -> None:
         TrainerConfig(data_parallel="fsdp", advantage="gae", critic={})
     with pytest.raises(ValidationError, match=r"does not support trainer\.sequence_parallel_size>1 yet"):
         TrainerConfig(data_parallel="fsdp", sequence_parallel_size=2)
+
+
+def test_a_nonfinite_gradient_skips_the_update_and_leaves_the_weights(tiny_llama_path: str, build: Any) -> None:
+    """A NaN reward (from a store, a plugin trainer's input, ...) makes every gradient NaN: no update is applied."""
+    t = trainer(tiny_llama_path, micro_batch_tokens=64)
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    poisoned = build.groups(2, 3, seed=0)
+    poisoned[0].trajectories[1].reward = float("nan")
+    m = t.train_step(poisoned)
+    assert m["optim/skipped_updates"] == 1.0 and math.isnan(m["grad_norm"]) and t.skipped_updates == 1
+    assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters())  # not one weight moved
+    assert t.policy_version == 1  # the step still counts: the engine syncs (unchanged) weights as usual
+    m = t.train_step(build.groups(2, 3, seed=1))  # the next good batch trains normally
+    assert m["optim/skipped_updates"] == 0.0 and math.isfinite(m["grad_norm"])
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert any(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
+    assert all(torch.isfinite(s).all() for st in t.optimizer.state.values() for s in st.values())  # Adam clean
+    samples = [tr.tokens() for tr in build.groups(1, 2, seed=2)[0].trajectories]
+    assert t.sft_step(samples)["optim/skipped_updates"] == 0.0
