@@ -70,8 +70,10 @@ class KeyDoc:
 
     @property
     def changed(self) -> bool:
-        """Whether the value differs from the default (a required key always counts as set)."""
-        return self.default is REQUIRED or to_jsonable_python(self.value) != to_jsonable_python(self.default)
+        """Whether the value differs from the default (a required key counts as set, unless its section is unset)."""
+        if self.default is REQUIRED:
+            return self.value is not None
+        return to_jsonable_python(self.value) != to_jsonable_python(self.default)
 
 
 def explain(config: RunConfig, key: str = "") -> list[KeyDoc]:
@@ -167,6 +169,8 @@ def _model_docs(
     for name, field in cls.model_fields.items():
         path = f"{prefix}.{name}"
         value = _default(field) if isinstance(model, type) else getattr(model, name)
+        if value is REQUIRED:  # a key of an unset section that has no default: not set either
+            value = None
         sub = model_in(field.annotation)
         if isinstance(value, BaseModel):
             yield from _model_docs(path, value, within)

@@ -49,6 +49,21 @@ class SamplingConfig(BaseModel):
     )
 
 
+class OverlongConfig(BaseModel):
+    """DAPO's soft overlong punishment, per model turn.
+
+    A turn whose reply is longer than `max_new_tokens_per_turn - buffer_tokens`
+    loses reward linearly in the excess, up to `penalty` at the full cap; the
+    cut goes into that turn's reward (turn-level credit sees where it came
+    from) and the episode's `reward_breakdown["overlong"]`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    buffer_tokens: int = Field(ge=1, description="the last tokens before the per-turn cap where the penalty ramps up")
+    penalty: float = Field(1.0, gt=0, description="reward taken from a reply that reaches max_new_tokens_per_turn")
+
+
 class RolloutConfig(BaseModel):
     """How episodes are produced and handed to the trainer."""
 
@@ -79,6 +94,9 @@ class RolloutConfig(BaseModel):
         pattern="^(left|right|middle)$",
         description="side cut from long tool output: right keeps the head, left the tail, middle both ends",
     )
+    overlong: OverlongConfig | None = Field(
+        None, description="DAPO soft overlong punishment of long replies ({buffer_tokens, penalty}); null = off"
+    )
     sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig.model_validate({}), description="sampling of every model turn"
     )
@@ -103,6 +121,11 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _complete_error_policy(self) -> RolloutConfig:
+        if self.overlong is not None and self.overlong.buffer_tokens > self.max_new_tokens_per_turn:
+            raise ValueError(
+                f"overlong.buffer_tokens={self.overlong.buffer_tokens} is more than "
+                f"max_new_tokens_per_turn={self.max_new_tokens_per_turn}"
+            )
         defaults = _default_error_policy()
         for kind, policy in defaults.items():
             self.on_error.setdefault(kind, policy)

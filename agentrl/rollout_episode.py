@@ -228,6 +228,9 @@ async def run_episode(
     decode = tokenizer.decode
     parse_action = env.parse_action
     step = env.step
+    overlong = config.overlong
+    overlong_from = config.max_new_tokens_per_turn - overlong.buffer_tokens if overlong is not None else 0
+    overlong_cut = 0.0
     try:
         t = deadlines.arm(env_timeout)
         try:
@@ -276,6 +279,10 @@ async def run_episode(
             step_reward = result.reward
             if step_reward - step_reward != 0.0:  # NaN or inf: it would poison the group's advantages
                 raise _Failed(ErrorClass.REWARD, f"env.step returned a non-finite reward {step_reward!r}")
+            if overlong is not None and len(ids) > overlong_from:
+                cut = overlong.penalty * min(len(ids) - overlong_from, overlong.buffer_tokens) / overlong.buffer_tokens
+                step_reward -= cut
+                overlong_cut += cut
             last = turns[-1]
             last.reward = step_reward
             reward += step_reward
@@ -295,6 +302,8 @@ async def run_episode(
             if not conv.add_messages(result.messages):
                 truncated, reason = True, "max_total_tokens"
                 break
+        if overlong_cut:
+            breakdown["overlong"] = -overlong_cut
     except _Failed as e:
         error = EpisodeError(e.kind, str(e), turn=len(conv.turns) if conv else 0)
     except TimeoutError:  # EpisodeTimeout

@@ -60,6 +60,11 @@ def test_an_unset_optional_section_still_lists_its_keys(plugins: Plugins) -> Non
     assert rank.value == rank.default == 16 and not rank.changed  # what setting it would start from
     on = by_path(explain(resolve_config(CALCULATOR, ["trainer.lora.r=4"], plugins=plugins), "trainer.lora"))
     assert on["trainer.lora.r"].value == 4 and on["trainer.lora.r"].changed and "trainer.lora" not in on
+    # a key with no default inside an unset section is not set either (and not "changed")
+    buffer = by_path(explain(resolve_config(CALCULATOR, plugins=plugins), "rollout.overlong"))["rollout.overlong.buffer_tokens"]
+    assert buffer.value is None and not buffer.changed
+    set_ = by_path(explain(resolve_config(CALCULATOR, ["rollout.overlong.buffer_tokens=8"], plugins=plugins)))
+    assert set_["rollout.overlong.buffer_tokens"].value == 8 and set_["rollout.overlong.buffer_tokens"].changed
 
 
 def test_key_selects_a_key_or_section_and_a_typo_names_the_closest(plugins: Plugins) -> None:

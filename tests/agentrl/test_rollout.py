@@ -464,3 +464,23 @@ async def test_cursor_positions_come_from_the_task_stream(tok: SimpleChatTokeniz
         await collect(manager)
         state = manager.state()
     assert state["done"] == [1, 3, 4]
+
+
+async def test_overlong_replies_lose_reward_on_their_own_turn(tok: SimpleChatTokenizer) -> None:
+    """DAPO soft overlong punishment: cap 10, buffer 4 -> free up to 6 tokens, then -0.25 per token."""
+    from agentrl.rollout_config import OverlongConfig
+    from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
+
+    cfg = config(max_new_tokens_per_turn=10, max_turns=3, overlong=OverlongConfig(buffer_tokens=4, penalty=1.0))
+    # replies of 3 chars (+ eos = 4 tokens), 7 (+ eos = 8) and 30 (cut at 10, no eos)
+    eng = ScriptedEngine(ScriptedEngine.Config(replies=["abc", "abcdefg", "x" * 30]), tokenizer=tok)
+    traj = await run_episode(TrivialEnv(TrivialEnvConfig(turns=3)), {"id": "t", "prompt": "go"}, eng, tok, cfg)
+    assert traj.error is None
+    assert [t.end - t.start for t in traj.turns] == [4, 8, 10]
+    assert [t.reward for t in traj.turns] == pytest.approx([0.0, -0.5, 1.0 - 1.0])  # the env pays 1 at the end
+    assert traj.reward == pytest.approx(-0.5) and traj.reward_breakdown["overlong"] == pytest.approx(-1.5)
+    plain = await run_episode(TrivialEnv(TrivialEnvConfig(turns=3)), {"id": "t", "prompt": "go"}, eng, tok,
+                              config(max_new_tokens_per_turn=10, max_turns=3))  # fmt: skip
+    assert plain.reward == 1.0 and "overlong" not in plain.reward_breakdown
+    with pytest.raises(ValueError, match=r"overlong\.buffer_tokens=20 is more than max_new_tokens_per_turn=10"):
+        config(max_new_tokens_per_turn=10, overlong={"buffer_tokens": 20})
