@@ -73,7 +73,7 @@ class KeyDoc:
         """Whether the value differs from the default (a required key counts as set, unless its section is unset)."""
         if self.default is REQUIRED:
             return self.value is not None
-        return to_jsonable_python(self.value) != to_jsonable_python(self.default)
+        return bool(to_jsonable_python(self.value) != to_jsonable_python(self.default))
 
 
 def explain(config: RunConfig, key: str = "") -> list[KeyDoc]:
