@@ -261,6 +261,9 @@ async def run_episode(
                 deadlines.fail(e, ErrorClass.ENGINE, "engine.generate", gen_timeout)
             gen_s += clock() - t
             ids = completion.ids
+            checksum = sum(completion.logprobs)
+            if checksum - checksum != 0.0:  # a NaN or inf logprob: the trainer could not use the episode
+                raise _Failed(ErrorClass.ENGINE, "engine.generate returned a non-finite logprob for a sampled token")
             text = decode(ids[:-1] if ids and ids[-1] in eos else ids)
             try:
                 action = parse_action(text)

@@ -484,3 +484,20 @@ async def test_overlong_replies_lose_reward_on_their_own_turn(tok: SimpleChatTok
     assert plain.reward == 1.0 and "overlong" not in plain.reward_breakdown
     with pytest.raises(ValueError, match=r"overlong\.buffer_tokens=20 is more than max_new_tokens_per_turn=10"):
         config(max_new_tokens_per_turn=10, overlong={"buffer_tokens": 20})
+
+
+async def test_a_nonfinite_logprob_from_the_engine_is_an_engine_error(tok: SimpleChatTokenizer) -> None:
+    class Broken(ScriptedEngine):
+        async def generate(self, prompt_ids: Any, sampling: Any) -> Any:
+            completion = await super().generate(prompt_ids, sampling)
+            completion.logprobs[0] = float("nan")
+            return completion
+
+    eng = Broken(ScriptedEngine.Config(replies=["hi"]), tokenizer=tok)
+    env = CalcEnv()
+    try:
+        traj = await run_episode(env, tasks(1)[0], eng, tok, config())
+    finally:
+        await env.close()
+    assert traj.error is not None and traj.error.kind is ErrorClass.ENGINE
+    assert "non-finite logprob" in traj.error.message and traj.reward == 0.0
