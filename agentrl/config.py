@@ -53,6 +53,10 @@ class RunSection(_Section):
     eval_tasks: int = Field(64, ge=1, description="tasks of the eval split per evaluation")
     eval_split: str = Field("test", description="env task split to evaluate on (training uses split train)")
     eval_samples: int = Field(1, ge=1, description="samples per eval task (pass@k uses k <= this)")
+    eval_temperature: float | None = Field(
+        None, ge=0.0,
+        description="sampling temperature of evaluations (0 = greedy); null = rollout.sampling.temperature",
+    )  # fmt: skip
     loggers: list[Logger] = Field(  # pydantic copies mutable defaults per instance
         ["jsonl"],
         description="metric sinks: jsonl (metrics.jsonl, always written), tensorboard, wandb, mlflow",
@@ -64,6 +68,15 @@ class RunSection(_Section):
         "fix (a trainer rank that died or missed its deadline); 0 = stop with the error",
     )
 
+
+    @model_validator(mode="after")
+    def _eval_samples_can_differ(self) -> RunSection:
+        if self.eval_temperature == 0.0 and self.eval_samples > 1:
+            raise ValueError(
+                f"eval_samples={self.eval_samples} with eval_temperature=0: greedy samples are all the same; "
+                "use eval_samples: 1, or a temperature > 0 for pass@k"
+            )
+        return self
 
 class ModelSection(_Section):
     """The policy model: a local directory, a built-in alias or a hub id."""

@@ -202,13 +202,17 @@ def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, flo
 
 
 async def evaluate_config(config: RunConfig, parts: Parts | EvalParts) -> EvalResult:
-    """Evaluate on the held-out tasks with the run's eval settings."""
+    """Evaluate on the held-out tasks with the run's eval settings (`run.eval_temperature` over the rollout's)."""
+    rollout = config.rollout
+    if config.run.eval_temperature is not None:
+        sampling = rollout.sampling.model_copy(update={"temperature": config.run.eval_temperature})
+        rollout = rollout.model_copy(update={"sampling": sampling})
     return await evaluate(
         parts.env_factory,
         parts.test_tasks,
         parts.engine,
         parts.tokenizer,
-        config.rollout,
+        rollout,
         n_samples=config.run.eval_samples,
         ks=sorted({1, config.run.eval_samples}),
         seed=config.run.seed,

@@ -95,3 +95,38 @@ async def test_a_weight_sync_is_measured_and_its_version_checked() -> None:
     assert metrics["weight_sync/mb_per_s"] == pytest.approx(6.0 / metrics["time/weight_sync_s"])
     with pytest.raises(AgentrlError, match=r"DeafEngine serves policy version 0 after update_weights\(version=3\)"):
         await sync_weights(DeafEngine(tokenizer=SimpleChatTokenizer()), trainer)
+
+
+class RecordingEngine(ScriptedEngine):
+    """Remembers the sampling temperature of every generate call."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.temperatures: list[float] = []
+
+    async def generate(self, prompt_ids, sampling):  # type: ignore[no-untyped-def]
+        self.temperatures.append(sampling.temperature)
+        return await super().generate(prompt_ids, sampling)
+
+
+@pytest.mark.parametrize("eval_temperature,expected", [(None, 0.7), (0.0, 0.0)])
+async def test_evaluations_sample_at_the_eval_temperature(eval_temperature: float | None, expected: float) -> None:
+    from agentrl.wiring import evaluate_config
+
+    config = resolve_config({"env": "agentrl.testing_envs:TrivialEnv", "engine": "scripted",
+                             "run": {"eval_temperature": eval_temperature},
+                             "rollout": {"sampling": {"temperature": 0.7}},
+                             "trainer": {"temperature": 0.7}})  # fmt: skip
+    tokenizer = SimpleChatTokenizer()
+    engine = RecordingEngine(tokenizer=tokenizer)
+    parts = EvalParts(TrivialEnv, TrivialEnv(), [{"id": "t", "prompt": "go"}], engine, tokenizer)
+    result = await evaluate_config(config, parts)
+    assert result.n_tasks == 1 and engine.temperatures and set(engine.temperatures) == {expected}
+    assert config.rollout.sampling.temperature == 0.7  # the training rollouts keep theirs
+
+
+def test_greedy_evaluation_takes_one_sample() -> None:
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"run: .*eval_samples=4 with eval_temperature=0"):
+        resolve_config({"env": "agentrl.testing_envs:TrivialEnv", "run": {"eval_temperature": 0, "eval_samples": 4}})
