@@ -56,14 +56,18 @@ def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
+def _train(config: str, tmp_path: Path, model: str, *extra: str) -> tuple[Path, list[dict[str, float]]]:
+    """`agentrl train` on an example with overrides; it must succeed. The run directory and its metric rows."""
     proc = subprocess.run(
-        _train_cmd("calculator.yaml", tmp_path, tiny_llama_path, *CALCULATOR_FAST),
-        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
-    )  # fmt: skip
+        _train_cmd(config, tmp_path, model, *extra), capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "ci"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
+    run, rows = _train("calculator.yaml", tmp_path, tiny_llama_path, *CALCULATOR_FAST)
     rl_rows = [r for r in rows if r["step"] >= 1 and "grad_norm" in r]
     assert [r["step"] for r in rl_rows] == [1, 2, 3]
     assert all(0 < r["time/weight_sync_s"] < r["time/step_s"] for r in rl_rows)
@@ -143,18 +147,12 @@ async def _replay_serves_the_run(run: Path) -> None:
 
 def test_frozenlake_gigpo_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
     """Multi-turn gym_text with GiGPO: state keys reach the trainer, step groups form, metrics are documented."""
-    proc = subprocess.run(
-        _train_cmd(
-            "frozenlake.yaml", tmp_path, tiny_llama_path,
-            "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
-            "rollout.group_size=3", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=6",
-            "rollout.max_turns=3", "trainer.entropy_coef=0.01",
-        ),
-        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
+    run, rows = _train(
+        "frozenlake.yaml", tmp_path, tiny_llama_path,
+        "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
+        "rollout.group_size=3", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=6",
+        "rollout.max_turns=3", "trainer.entropy_coef=0.01",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "ci"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rl_rows = [r for r in rows if "grad_norm" in r]
     assert [r["step"] for r in rl_rows] == [1, 2]
     assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
@@ -171,18 +169,12 @@ def test_frozenlake_gigpo_fast_variant_trains(tmp_path: Path, tiny_llama_path: s
 
 def test_mix_fast_variant_trains_every_member_and_logs_each(tmp_path: Path, tiny_llama_path: str) -> None:
     """Two envs in one run: warm start on the calculator's demos, episodes of both, rewards per env."""
-    proc = subprocess.run(
-        _train_cmd(
-            "mix.yaml", tmp_path, tiny_llama_path,
-            "run.steps=2", "run.eval_every=2", "run.eval_tasks=4", "run.save_every=2", "run.loggers=[jsonl]",
-            "rollout.group_size=2", "rollout.groups_per_step=4", "rollout.max_new_tokens_per_turn=6",
-            "rollout.max_turns=2", "warm_start.steps=1", "warm_start.batch_size=2", "trainer.entropy_coef=0.01",
-        ),
-        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
+    run, rows = _train(
+        "mix.yaml", tmp_path, tiny_llama_path,
+        "run.steps=2", "run.eval_every=2", "run.eval_tasks=4", "run.save_every=2", "run.loggers=[jsonl]",
+        "rollout.group_size=2", "rollout.groups_per_step=4", "rollout.max_new_tokens_per_turn=6",
+        "rollout.max_turns=2", "warm_start.steps=1", "warm_start.batch_size=2", "trainer.entropy_coef=0.01",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "ci"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
     assert [r["step"] for r in rows if "grad_norm" in r] == [1, 2]
     assert any("sft/loss" in r for r in rows)  # the calculator's demonstrations, with its tools
@@ -202,18 +194,12 @@ def test_mix_fast_variant_trains_every_member_and_logs_each(tmp_path: Path, tiny
 
 def test_math_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) -> None:
     """Single-turn RLVR on reasoning-gym arithmetic with the math verifier."""
-    proc = subprocess.run(
-        _train_cmd(
-            "math.yaml", tmp_path, tiny_llama_path,
-            "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
-            "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=8",
-            "trainer.entropy_coef=0.01",
-        ),
-        capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp_path,
+    run, rows = _train(
+        "math.yaml", tmp_path, tiny_llama_path,
+        "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
+        "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=8",
+        "trainer.entropy_coef=0.01",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "ci"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "grad_norm" in r] == [1, 2]
     assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
     assert all(r["grad_norm"] > 0 for r in rows if "grad_norm" in r)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
 from agentrl.types import Group, Trajectory, Turn
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_trajectory(
@@ -79,3 +83,19 @@ class Builders:
 @pytest.fixture
 def build() -> type[Builders]:
     return Builders
+
+
+@pytest.fixture
+def ray_train_cmd(tiny_llama_path: str) -> Callable[..., list[str]]:
+    """`ray_train_cmd(out_dir, *overrides)`: `agentrl train` on the calculator example with the tiny model and
+    the `ray` trainer (2 gloo ranks of half a CPU each), run `ci` under `out_dir`."""
+
+    def command(out_dir: Path, *overrides: str) -> list[str]:
+        return [
+            sys.executable, "-m", "agentrl.cli", "train", str(REPO / "examples" / "calculator.yaml"),
+            f"model.path={tiny_llama_path}", f"run.output_dir={out_dir}", "run.name=ci", "engine.dtype=fp32",
+            "trainer.name=ray", "trainer.world_size=2", "trainer.num_cpus_per_rank=0.5", "trainer.dtype=fp32",
+            "trainer.entropy_coef=0.01", "run.eval_every=0", "run.loggers=[jsonl]", *overrides,
+        ]  # fmt: skip
+
+    return command

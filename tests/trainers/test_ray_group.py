@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from agentrl.store import TrajectoryStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.distributed]
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIG: dict[str, Any] = {"dtype": "fp32", "lr": 1e-3, "micro_batch_tokens": 48, "loss_agg": "seq_mean_token_mean"}
 
 
@@ -45,17 +43,13 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, tiny_llama_path: str, variant: str) -> None:
+def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, ray_train_cmd: Any, variant: str) -> None:
     """The whole loop (warm start, RL steps, weight sync, checkpoint) with the trainer on two Ray ranks."""
-    cmd = [
-        sys.executable, "-m", "agentrl.cli", "train", str(REPO / "examples" / "calculator.yaml"),
-        f"model.path={tiny_llama_path}", f"run.output_dir={tmp_path}", "run.name=ci", "engine.dtype=fp32",
-        *VARIANTS[variant],
-        "trainer.name=ray", "trainer.world_size=2", "trainer.num_cpus_per_rank=0.5", "trainer.dtype=fp32",
-        "trainer.entropy_coef=0.01", "run.steps=2", "run.eval_every=0", "run.save_every=2", "run.loggers=[jsonl]",
+    cmd = ray_train_cmd(
+        tmp_path, *VARIANTS[variant], "run.steps=2", "run.save_every=2",
         "rollout.group_size=4", "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=12",
         "rollout.max_turns=2", "warm_start.steps=1", "warm_start.batch_size=2",
-    ]  # fmt: skip
+    )  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,17 +12,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agentrl.store import TrajectoryStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.distributed]
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -57,15 +55,11 @@ def _rank_processes(pid: int) -> list[int]:
     return found
 
 
-def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path: Path, tiny_llama_path: str) -> None:
-    cmd = [
-        sys.executable, "-m", "agentrl.cli", "train", str(REPO / "examples" / "calculator.yaml"),
-        f"model.path={tiny_llama_path}", f"run.output_dir={tmp_path}", "run.name=ci", "engine.dtype=fp32",
-        "trainer.name=ray", "trainer.world_size=2", "trainer.num_cpus_per_rank=0.5", "trainer.dtype=fp32",
-        "trainer.entropy_coef=0.01", "run.steps=4", "run.eval_every=0", "run.save_every=1", "run.loggers=[jsonl]",
-        "run.max_restarts=1", "rollout.group_size=2", "rollout.groups_per_step=2",
-        "rollout.max_new_tokens_per_turn=8", "rollout.max_turns=2",
-    ]  # fmt: skip
+def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path: Path, ray_train_cmd: Any) -> None:
+    cmd = ray_train_cmd(
+        tmp_path, "run.steps=4", "run.save_every=1", "run.max_restarts=1", "rollout.group_size=2",
+        "rollout.groups_per_step=2", "rollout.max_new_tokens_per_turn=8", "rollout.max_turns=2",
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = tmp_path / "ci"
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) as proc:
