@@ -26,7 +26,7 @@ from agentrl.metrics_log import MetricsLog, check_loggers
 from agentrl.progress import TrainProgress
 from agentrl.run_dir import RunDir
 from agentrl.store import TrajectoryStore
-from agentrl.task_stream import TaskStream
+from agentrl.task_stream import AllTasksSolved, SolvedTasks, TaskStream
 from agentrl.types import Group
 from agentrl.wiring import (
     Parts,
@@ -88,6 +88,11 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
         await warm_start(config, parts, store, log)
     await sync_weights(parts.engine, parts.trainer)
     stream = TaskStream(parts.train_tasks, seed=config.run.seed)
+    threshold = config.rollout.solved_reward
+    solved = (
+        SolvedTasks(config.rollout.skip_solved, threshold, store.solved_counts(threshold), parts.train_tasks)
+        if config.rollout.skip_solved else None
+    )  # fmt: skip
 
     lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
     alerts = RunAlerts(config.alerts)
@@ -113,6 +118,10 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
                 store.set_group_step(group.id, step=step)
             else:
                 store.add_group(group, step=step, status="trained")
+                if solved is not None:  # a stored group is already in the store's counts
+                    solved.record(group.task, group.rewards)
+        if solved is not None:
+            metrics |= {"rollout/skipped_solved": float(solved.take_skipped()), "tasks/solved": float(solved.solved())}
         store.add_metrics(step, metrics)
         store.commit()
         if config.run.eval_every and step % config.run.eval_every == 0:
@@ -140,16 +149,23 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
             for i in range(0, len(retrain), size):  # stored groups whose update died with a crash
                 if await train_on(retrain[i : i + size], progress, dict):
                     return run.path
-            rollouts = rollout_manager(config, parts, stream.iterate(store.cursors()))
+            tasks = stream.iterate(store.cursors())
+            rollouts = rollout_manager(config, parts, solved.filter(tasks) if solved is not None else tasks)
             async with rollouts:
-                async for batch in _batches(rollouts.groups(), size):
-                    done = await train_on(batch, progress, rollouts.metrics)
-                    rollouts.set_trainer_version(parts.trainer.policy_version)
-                    for group, reason in rollouts.drain_dropped():
-                        if reason != "stale":  # a stale group's task is sampled again, not consumed
-                            store.add_group(group, step=step, status=f"dropped:{reason}")
-                    if done:
-                        break
+                try:
+                    async for batch in _batches(rollouts.groups(), size):
+                        done = await train_on(batch, progress, rollouts.metrics)
+                        rollouts.set_trainer_version(parts.trainer.policy_version)
+                        for group, reason in rollouts.drain_dropped():
+                            if reason != "stale":  # a stale group's task is sampled again, not consumed
+                                store.add_group(group, step=step, status=f"dropped:{reason}")
+                                if solved is not None and reason == "dynamic_sampling":
+                                    solved.record(group.task, group.rewards)
+                        if done:
+                            break
+                except AllTasksSolved as e:  # the run is complete early: end it like a finished one
+                    log.console.print(f"[green]{escape(str(e))}[/]: the run ends at step {step}")
+                    await _off_thread(lock, save, step)
     except (KeyboardInterrupt, asyncio.CancelledError):
         log.console.print(f"[yellow]interrupted: writing a checkpoint at step {step}[/]")
         save(step)

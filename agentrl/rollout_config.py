@@ -118,9 +118,17 @@ class RolloutConfig(BaseModel):
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (a new one starts)"
     )
+    skip_solved: int = Field(
+        0, ge=0,
+        description="skip a training task once this many of its groups had every sample reach solved_reward "
+        "(later epochs spend no rollouts on it); 0 = never",
+    )  # fmt: skip
+    solved_reward: float = Field(1.0, description="with skip_solved: the reward at which a sample counts as solved")
 
     @model_validator(mode="after")
     def _complete_error_policy(self) -> RolloutConfig:
+        if "solved_reward" in self.model_fields_set and self.skip_solved == 0:
+            raise ValueError("solved_reward is only used with skip_solved > 0: set skip_solved, or remove solved_reward")
         if self.overlong is not None and self.overlong.buffer_tokens > self.max_new_tokens_per_turn:
             raise ValueError(
                 f"overlong.buffer_tokens={self.overlong.buffer_tokens} is more than "

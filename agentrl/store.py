@@ -41,7 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from agentrl.task_stream import CURSOR_KEY
+from agentrl.task_stream import CURSOR_KEY, solved_key
 from agentrl.types import JSON, Group, Trajectory
 
 STORE_FILENAME = "trajectories.sqlite"
@@ -708,6 +708,25 @@ class TrajectoryStore:
             ).fetchall()
         return [int(r[0]) for r in rows]
 
+    def solved_counts(self, threshold: float) -> dict[str, int]:
+        """Per task key (`solved_key`): stored training groups whose every sample reached `threshold`.
+
+        Trained groups and groups dropped by dynamic sampling count (both were
+        sampled from the policy in training); eval groups do not.
+        """
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT g.task FROM groups g JOIN trajectories t ON t.group_id = g.id "
+                "WHERE g.status IN ('trained', 'dropped:dynamic_sampling') "
+                "GROUP BY g.id HAVING MIN(t.reward) >= ? AND COUNT(t.reward) = COUNT(*)",
+                (threshold,),
+            ).fetchall()
+        counts: dict[str, int] = {}
+        for (task,) in rows:
+            key = solved_key(json.loads(task))
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def groups_after(self, step: int, *, status: str | None = "trained") -> list[Group]:
         """Stored groups with a step > `step` (and that status), in the order they were stored."""
         sql = "SELECT id, task_id, task FROM groups WHERE step > ?"
@@ -902,3 +921,4 @@ def _after(column: str | None, desc: bool, key: Any, seq: int) -> tuple[str, lis
         return (sql, [seq]) if desc else (f"({sql} OR {c} IS NOT NULL)", [seq])
     sql = f"({c} {op} ? OR ({c} = ? AND t.seq {op} ?))"
     return (f"({sql} OR {c} IS NULL)", [key, key, seq]) if desc else (sql, [key, key, seq])
+

@@ -12,9 +12,11 @@ after the highest one. Nothing is skipped and nothing is issued twice.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
-from agentrl.env import Task
+from agentrl.env import MIX_MEMBER_KEY, Task
+from agentrl.errors import AgentrlError
 
 CURSOR_KEY = "_cursor"
 
@@ -65,3 +67,59 @@ def cursor_of(task: Task) -> int:
     if not isinstance(position, int):
         raise KeyError(f"task {task.get('id')!r} carries no stream position ({CURSOR_KEY})")
     return position
+
+
+def solved_key(task: Mapping[str, Any]) -> str:
+    """The identity of a task for `rollout.skip_solved`: its id, within its mixture member if any."""
+    return f"{task.get(MIX_MEMBER_KEY, '')}/{task.get('id', '')}"
+
+
+class AllTasksSolved(AgentrlError):
+    """Every training task has been solved `rollout.skip_solved` times: nothing is left to train on."""
+
+
+class SolvedTasks:
+    """`rollout.skip_solved`: counts each task's solved groups and keeps solved tasks out of the stream.
+
+    A group is solved when every sample's reward reached `threshold`. The
+    counts start from the store (`TrajectoryStore.solved_counts`), so a resumed
+    run skips what the run had solved. A skipped task's stream position is
+    never stored, so a resume issues it again and it is skipped again.
+    """
+
+    def __init__(self, times: int, threshold: float, counts: Mapping[str, int], tasks: Iterable[Task]) -> None:
+        self.times = times
+        self.threshold = threshold
+        self._counts = dict(counts)
+        self._all = {solved_key(t) for t in tasks}
+        self._solved = {key for key in self._all if self._counts.get(key, 0) >= times}
+        self.skipped = 0  # tasks skipped since `take_skipped`
+
+    def record(self, task: Mapping[str, Any], rewards: Sequence[float]) -> None:
+        """Count a group of `task` (its samples' rewards) that training saw."""
+        if rewards and min(rewards) >= self.threshold:
+            key = solved_key(task)
+            self._counts[key] = count = self._counts.get(key, 0) + 1
+            if count >= self.times and key in self._all:
+                self._solved.add(key)
+
+    def solved(self) -> int:
+        """How many training tasks are skipped from now on."""
+        return len(self._solved)
+
+    def filter(self, tasks: Iterator[Task]) -> Iterator[Task]:
+        """`tasks` without the solved ones; AllTasksSolved once no training task is left."""
+        for task in tasks:
+            if self._counts.get(solved_key(task), 0) < self.times:
+                yield task
+                continue
+            self.skipped += 1
+            if len(self._solved) >= len(self._all):
+                raise AllTasksSolved(
+                    f"all {len(self._all)} training tasks were solved {self.times} time(s) (rollout.skip_solved); "
+                    "nothing is left to train on"
+                )
+
+    def take_skipped(self) -> int:
+        out, self.skipped = self.skipped, 0
+        return out

@@ -296,3 +296,38 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path: Path, tiny_llama_pa
     assert set(trained_cursors.values()) == {2}
     assert steps == {s: 4 for s in range(1, 7)}
     assert (run / "checkpoints" / "step-000006").is_dir()
+
+
+def test_a_run_whose_tasks_are_all_solved_ends_early_and_resumes_to_the_same_end(
+    tmp_path: Path, tiny_llama_path: str
+) -> None:
+    """rollout.skip_solved: every episode of the trivial env earns 1, so each task is solved by its first group;
+    after one pass over the 4 tasks (2 steps of 2 groups) nothing is left, and the run ends with a checkpoint."""
+    config = tmp_path / "solved.yaml"
+    config.write_text(
+        "run: {name: ci, steps: 6, save_every: 10, loggers: [jsonl]}\n"
+        "env: {name: 'agentrl.testing_envs:TrivialEnv', turns: 1, num_tasks: 4}\n"
+        "engine: {name: scripted, replies: ['ok']}\n"
+        "trainer: {name: torch, dtype: fp32, lr: 1.0e-4}\n"
+        "alerts: {fresh_mismatch_kl: null}\n"  # the scripted engine's logprobs are not the model's
+        "rollout: {group_size: 2, groups_per_step: 2, max_staleness: 0, max_new_tokens_per_turn: 8, skip_solved: 1}\n"
+    )
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", str(config), f"model.path={tiny_llama_path}",
+           f"run.output_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all 4 training tasks were solved 1 time(s)" in proc.stderr.replace("\n", " ")
+    run = tmp_path / "ci"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["tasks/solved"]) for r in rows] == [(1, 2.0), (2, 4.0)]
+    assert _undocumented(rows) == [], "metric keys missing from docs/metrics.md"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
+    with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
+        assert sorted(r.trajectory.task_id for r in store.iter_records()) == sorted(
+            [f"train-{i}" for i in range(4)] * 2
+        )  # each task once, both samples
+    again = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "--resume", str(run)],
+                           capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run ends at step 2" in again.stderr.replace("\n", " ")
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # nothing trained again
