@@ -88,11 +88,10 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
         await warm_start(config, parts, store, log)
     await sync_weights(parts.engine, parts.trainer)
     stream = TaskStream(parts.train_tasks, seed=config.run.seed)
-    threshold = config.rollout.solved_reward
+    skip = config.rollout.skip_solved
     solved = (
-        SolvedTasks(config.rollout.skip_solved, threshold, store.solved_counts(threshold), parts.train_tasks)
-        if config.rollout.skip_solved else None
-    )  # fmt: skip
+        SolvedTasks(skip.times, skip.reward, store.solved_counts(skip.reward), parts.train_tasks) if skip else None
+    )
 
     lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
     alerts = RunAlerts(config.alerts)

@@ -64,6 +64,15 @@ class OverlongConfig(BaseModel):
     penalty: float = Field(1.0, gt=0, description="reward taken from a reply that reaches max_new_tokens_per_turn")
 
 
+class SkipSolvedConfig(BaseModel):
+    """When a training task counts as solved for good (docs/rollout.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    times: int = Field(1, ge=1, description="groups with every sample solved, after which the task is skipped")
+    reward: float = Field(1.0, description="the reward at which a sample counts as solved")
+
+
 class RolloutConfig(BaseModel):
     """How episodes are produced and handed to the trainer."""
 
@@ -118,17 +127,13 @@ class RolloutConfig(BaseModel):
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (a new one starts)"
     )
-    skip_solved: int = Field(
-        0, ge=0,
-        description="skip a training task once this many of its groups had every sample reach solved_reward "
-        "(later epochs spend no rollouts on it); 0 = never",
-    )  # fmt: skip
-    solved_reward: float = Field(1.0, description="with skip_solved: the reward at which a sample counts as solved")
+    skip_solved: SkipSolvedConfig | None = Field(
+        None,
+        description="keep tasks the policy always solves out of later epochs ({times, reward}); null = never",
+    )
 
     @model_validator(mode="after")
     def _complete_error_policy(self) -> RolloutConfig:
-        if "solved_reward" in self.model_fields_set and self.skip_solved == 0:
-            raise ValueError("solved_reward is only used with skip_solved > 0: set skip_solved, or remove solved_reward")
         if self.overlong is not None and self.overlong.buffer_tokens > self.max_new_tokens_per_turn:
             raise ValueError(
                 f"overlong.buffer_tokens={self.overlong.buffer_tokens} is more than "

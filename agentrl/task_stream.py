@@ -116,7 +116,7 @@ class SolvedTasks:
             self.skipped += 1
             if len(self._solved) >= len(self._all):
                 raise AllTasksSolved(
-                    f"all {len(self._all)} training tasks were solved {self.times} time(s) (rollout.skip_solved); "
+                    f"all {len(self._all)} training tasks were solved {self.times} time(s) (rollout.skip_solved.times); "
                     "nothing is left to train on"
                 )
 

@@ -310,7 +310,7 @@ def test_a_run_whose_tasks_are_all_solved_ends_early_and_resumes_to_the_same_end
         "engine: {name: scripted, replies: ['ok']}\n"
         "trainer: {name: torch, dtype: fp32, lr: 1.0e-4}\n"
         "alerts: {fresh_mismatch_kl: null}\n"  # the scripted engine's logprobs are not the model's
-        "rollout: {group_size: 2, groups_per_step: 2, max_staleness: 0, max_new_tokens_per_turn: 8, skip_solved: 1}\n"
+        "rollout: {group_size: 2, groups_per_step: 2, max_staleness: 0, max_new_tokens_per_turn: 8, skip_solved: {times: 1}}\n"
     )
     cmd = [sys.executable, "-m", "agentrl.cli", "train", str(config), f"model.path={tiny_llama_path}",
            f"run.output_dir={tmp_path}"]  # fmt: skip

@@ -62,7 +62,8 @@ def test_the_store_counts_solved_training_groups(tmp_path: object) -> None:
         assert store.solved_counts(0.0) == {"/t0": 2, "/t1": 1}
 
 
-def test_solved_reward_alone_is_an_error() -> None:
-    with pytest.raises(ValueError, match="solved_reward is only used with skip_solved > 0"):
-        RolloutConfig(solved_reward=0.5)
-    assert RolloutConfig(skip_solved=2, solved_reward=0.5).solved_reward == 0.5
+def test_skip_solved_settings_are_checked() -> None:
+    assert RolloutConfig(skip_solved={"times": 2, "reward": 0.5}).skip_solved.times == 2  # type: ignore[union-attr]
+    assert RolloutConfig().skip_solved is None
+    with pytest.raises(ValueError, match="times"):
+        RolloutConfig(skip_solved={"times": 0})
