@@ -328,13 +328,15 @@ def resolve_config(
         resolved._config = validated
         updates[section] = resolved
     config = config.model_copy(update=updates)
-    _check_sections_agree(config)
+    trainer_raw = data.get("trainer")
+    _check_sections_agree(config, trainer_device_set=isinstance(trainer_raw, dict) and "device" in trainer_raw)
     config._registry = plugins
     return config
 
 
-def _check_sections_agree(config: RunConfig) -> None:
-    """Rules across sections: the trainer scores what the engine sampled, from the same model."""
+def _check_sections_agree(config: RunConfig, *, trainer_device_set: bool) -> None:
+    """Rules across sections: the trainer scores what the engine sampled, from the same model, on a
+    device the user chose (`trainer_device_set`: the config names `trainer.device` itself)."""
     scored = config.trainer.params.get("temperature")
     if scored is not None and scored != config.rollout.sampling.temperature:
         raise ConfigError(
@@ -347,6 +349,13 @@ def _check_sections_agree(config: RunConfig) -> None:
         raise ConfigError(
             f"engine.model: got {served!r}, but the engine serves the policy the trainer trains, "
             f"model.path={config.model.path!r}; set model.path instead"
+        )
+    engine_device = str(config.engine.params.get("device", ""))
+    if engine_device.startswith("cuda") and config.trainer.name == "torch" and not trainer_device_set:
+        raise ConfigError(
+            f"engine.device={engine_device} but trainer.device is not set: the trainer would train on the CPU "
+            f"(its default); set trainer.device: {engine_device} (or another GPU), or trainer.device: cpu if "
+            "that is what you want"
         )
     context = config.engine.params.get("max_model_len")
     if context is not None and context < config.rollout.max_total_tokens:

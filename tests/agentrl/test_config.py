@@ -109,6 +109,18 @@ def test_trainer_and_sampling_temperatures_must_agree(plugins: Plugins) -> None:
     assert both.trainer.params["temperature"] == 0.7
 
 
+def test_a_gpu_engine_beside_a_trainer_left_on_the_cpu_is_an_error(plugins: Plugins) -> None:
+    """The torch trainer's device defaults to cpu: with the engine on a GPU that is almost never meant."""
+    from agentrl.engines.hf import HFEngine
+
+    plugins.engines.add("hf", HFEngine, source="test")  # its Config only
+    gpu = {"env": {"name": "echo"}, "engine": {"name": "hf", "device": "cuda:1"}}
+    msg = error_of(plugins, gpu)
+    assert msg.startswith("engine.device=cuda:1 but trainer.device is not set") and "trainer.device: cuda:1" in msg
+    assert resolve(plugins, gpu, "trainer.device=cpu").trainer.params["device"] == "cpu"  # said explicitly: fine
+    assert resolve(plugins, {"env": {"name": "echo"}, "engine": {"name": "hf", "device": "cpu"}}).engine.name == "hf"
+
+
 def test_engine_context_must_hold_an_episode(plugins: Plugins) -> None:
     """vLLM's max_model_len below the episode token budget would fail episodes mid-run: caught at load."""
     from agentrl.engines.vllm_engine import VLLMEngine
