@@ -39,6 +39,7 @@ VARIANTS = {
     "hf": [],  # the example's in-process engine (and LoRA, DDP): weights stream from rank 0 into it
     "ray": ["engine={name: ray, dtype: fp32, replicas: 2, num_cpus: 0.5, block_tokens: 16}"],  # and on to 2 replicas
     "fsdp": ["trainer.lora=null", "trainer.data_parallel=fsdp"],  # full fine-tuning, sharded over the ranks
+    "fsdp_lora": ["trainer.data_parallel=fsdp"],  # the example's LoRA, base and adapters sharded
 }
 
 
@@ -69,6 +70,7 @@ def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, ray_train_cmd: A
     ckpt = run / "checkpoints" / "step-000002"
     assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
     assert json.loads((ckpt / "extra_state.json").read_text())["step"] == 2
+    assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() == (variant != "fsdp")  # LoRA resumes from it
     with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
         trained = [r.trajectory for r in store.iter_records() if r.status == "trained"]
     assert len(trained) == 2 * 2 * 4
