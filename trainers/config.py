@@ -162,6 +162,11 @@ class TrainerConfig(_Section):
         gt=0.0,
         description="added to the std when normalising advantages (grpo group std, batch whitening)",
     )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: a clipped ratio per token; gspo: one clipped ratio per sequence (its geometric mean, "
+        "GSPO); gspo wants far smaller clip_low/clip_high (the paper: 3e-4 / 4e-4)",
+    )
     loss_agg: LossAgg = Field(
         "token_mean",
         description="token_mean: mean over the batch's loss tokens; seq_mean_token_mean: mean of "
@@ -320,6 +325,11 @@ class TrainerConfig(_Section):
             raise ValueError(
                 f"trainer.gigpo is only used by trainer.advantage='gigpo' (got {self.advantage!r}): "
                 "remove it or set advantage: gigpo"
+            )
+        if self.policy_loss == "gspo" and self.sequence_parallel_size > 1:
+            raise ValueError(
+                f"trainer.policy_loss=gspo needs whole sequences on each rank; "
+                f"trainer.sequence_parallel_size={self.sequence_parallel_size} splits them: use 1"
             )
         if self.advantage == "gae" and self.sequence_parallel_size > 1:
             raise ValueError(

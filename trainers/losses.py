@@ -58,6 +58,29 @@ def ppo_clip_loss(
     return loss, is_clipped
 
 
+def gspo_old_logprobs(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor
+) -> torch.Tensor:
+    """The `old_logprobs` that make `ppo_clip_loss` compute GSPO's sequence-level ratio.
+
+    GSPO (Zheng et al. 2025) clips one ratio per sequence, the geometric mean
+    s_i = exp(mean over sequence i's loss tokens of (logp - old)), and gives each
+    token the gradient s_i * grad logp_t (the "GSPO-token" form, which takes
+    per-token advantages). `ppo_clip_loss` uses r_t = exp(logp_t - old'_t); with
+    old'_t = sg[logp_t] - sg[log s_i], r_t has the value s_i and that gradient,
+    so the clip, the dual clip and every aggregation apply unchanged. A whole
+    sequence is clipped or not. The sequence's tokens must all be in `logprobs`
+    (no sequence parallelism).
+    """
+    mask_f = mask.to(logprobs.dtype)
+    detached = logprobs.detach()
+    n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    sums = torch.zeros(n, dtype=logprobs.dtype).index_add_(0, seq_ids, (detached - old_logprobs) * mask_f)
+    counts = torch.zeros(n, dtype=logprobs.dtype).index_add_(0, seq_ids, mask_f)
+    log_s = sums / counts.clamp(min=1.0)
+    return detached - log_s[seq_ids]
+
+
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
 ) -> torch.Tensor:

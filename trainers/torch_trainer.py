@@ -49,7 +49,13 @@ from agentrl.trainers.logprobs import (
     packed_logprobs,
     sequence_parallel_logprobs,
 )
-from agentrl.trainers.losses import PolicyLossInputs, aggregation_weights, kl_estimate, policy_loss
+from agentrl.trainers.losses import (
+    PolicyLossInputs,
+    aggregation_weights,
+    gspo_old_logprobs,
+    kl_estimate,
+    policy_loss,
+)
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
 from agentrl.trainers.packing import PackedBatch, pack, pack_all, padding_stats, use_packed_attention
 from agentrl.trainers.shared_prefix import Family, find_families, layout_cost, plan_families
@@ -506,6 +512,8 @@ class TorchTrainer:
                     mis_high=cfg.off_policy.mis_high,
                     decoupled_cap=cfg.off_policy.decoupled_cap,
                 )
+                if cfg.policy_loss == "gspo":  # one ratio per sequence (losses.gspo_old_logprobs)
+                    old = gspo_old_logprobs(logp, old, f["loss_mask"], b.seq_ids)
                 loss, parts = policy_loss(
                     PolicyLossInputs(
                         logprobs=logp,

@@ -136,3 +136,26 @@ def test_policy_loss_combines_terms_by_hand() -> None:
     assert float(parts["entropy_sum"]) == pytest.approx(6.0)
     assert float(total) == pytest.approx(pg + 0.1 * kl - 0.01 * ent)
     assert float(parts["clipped_tokens"]) == 0.0
+
+
+def test_gspo_clips_one_geometric_mean_ratio_per_sequence() -> None:
+    """Two packed sequences: the ratio every token sees is its sequence's geometric mean, and so is its gradient."""
+    from agentrl.trainers.losses import gspo_old_logprobs, ppo_clip_loss
+
+    old = torch.tensor([-1.0, -2.0, -1.5, -0.5, -3.0, 0.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    seq_ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    shift = torch.tensor([0.3, -0.1, 0.1, 0.02, 0.0, 5.0])  # seq 0: mean log-ratio 0.1; seq 1: 0.01
+    logp = (old + shift).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0, 0.0])
+    gspo_old = gspo_old_logprobs(logp, old, mask, seq_ids)
+    loss, clipped = ppo_clip_loss(logp, gspo_old, adv, clip_low=0.05, clip_high=0.05)
+    s0, s1 = math.exp(0.1), math.exp(0.01)
+    ratio = torch.exp(logp - gspo_old).detach()
+    assert ratio[:3].tolist() == pytest.approx([s0] * 3) and ratio[3:5].tolist() == pytest.approx([s1] * 2)
+    # seq 0 (A > 0) is above 1 + 0.05: clipped as a whole, no gradient; seq 1 is inside: -A * s1 per token
+    assert clipped[:3].all() and not clipped[3:5].any()
+    (loss * mask).sum().backward()
+    assert logp.grad is not None
+    assert logp.grad[:3].tolist() == [0.0, 0.0, 0.0]
+    assert logp.grad[3:5].tolist() == pytest.approx([2.0 * s1, 2.0 * s1])

@@ -258,3 +258,26 @@ def test_a_nonfinite_gradient_skips_the_update_and_leaves_the_weights(tiny_llama
     assert all(torch.isfinite(s).all() for st in t.optimizer.state.values() for s in st.values())  # Adam clean
     samples = [tr.tokens() for tr in build.groups(1, 2, seed=2)[0].trajectories]
     assert t.sft_step(samples)["optim/skipped_updates"] == 0.0
+
+
+def test_gspo_on_fresh_data_takes_the_same_first_step_as_ppo(tiny_llama_path: str, build: Any) -> None:
+    """At the first update every sequence ratio is 1, where GSPO's gradient is PPO's: the same gradients."""
+    groups = build.groups(2, 3, seed=4)
+    ppo = trainer(tiny_llama_path, off_policy={"mode": "tis"})
+    gspo = trainer(tiny_llama_path, off_policy={"mode": "tis"}, policy_loss="gspo", clip_low=3e-4, clip_high=4e-4)
+    m1, m2 = ppo.compute_gradients(groups), gspo.compute_gradients(build.groups(2, 3, seed=4))
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-6) and m2["clip_fraction"] == 0.0
+    g1, g2 = grads(ppo), grads(gspo)
+    for name, g in g1.items():
+        torch.testing.assert_close(g2[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    # later updates of the same batch (epochs=2) move off ratio 1; the tiny clip range then clips sequences
+    again = trainer(tiny_llama_path, off_policy={"mode": "tis"}, policy_loss="gspo", clip_low=1e-6, clip_high=1e-6,
+                    epochs=2, lr=1e-2)  # fmt: skip
+    assert again.train_step(build.groups(2, 3, seed=4))["clip_fraction"] > 0.0
+
+
+def test_gspo_needs_whole_sequences() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="policy_loss=gspo needs whole sequences"):
+        TrainerConfig(policy_loss="gspo", sequence_parallel_size=2)
