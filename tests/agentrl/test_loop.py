@@ -331,3 +331,34 @@ def test_a_run_whose_tasks_are_all_solved_ends_early_and_resumes_to_the_same_end
     assert again.returncode == 0, again.stderr[-3000:]
     assert "the run ends at step 2" in again.stderr.replace("\n", " ")
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # nothing trained again
+
+
+def test_a_skyrl_gym_dataset_trains(tmp_path: Path, tiny_llama_path: str) -> None:
+    """SkyRL-format rows and a SkyRL-Gym env (multi-turn gsm8k) through the whole loop, as they are."""
+    pytest.importorskip("skyrl_gym")
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "env_class": "gsm8k_multi_turn",
+                    "reward_spec": {"method": "rule", "ground_truth": str(i + 1)}, "extra_info": {"index": i, "max_turns": 2}})
+        + "\n" for i in range(6)
+    ))  # fmt: skip
+    config = tmp_path / "skyrl.yaml"
+    config.write_text(
+        "run: {name: ci, steps: 2, save_every: 2, loggers: [jsonl]}\n"
+        f"env: {{name: skyrl_gym, train: {{path: '{data}'}}}}\n"
+        "trainer: {name: torch, dtype: fp32, entropy_coef: 0.01}\n"
+        "engine: {name: hf, dtype: fp32}\n"
+        "rollout: {group_size: 2, groups_per_step: 2, max_turns: 2, max_new_tokens_per_turn: 6}\n"
+    )
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", str(config), f"model.path={tiny_llama_path}",
+           f"run.output_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "ci"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "grad_norm" in r] == [1, 2]
+    with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
+        trained = [r.trajectory for r in store.iter_records() if r.status == "trained"]
+    assert len(trained) == 2 * 2 * 2 and all(t.error is None and t.env == "skyrl_gym" for t in trained)
+    # a random model never answers "#### N": the env asks again, the episode runs both turns
+    assert all(len(t.turns) == 2 and t.task["env_class"] == "gsm8k_multi_turn" for t in trained)
