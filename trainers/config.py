@@ -326,11 +326,6 @@ class TrainerConfig(_Section):
                 f"trainer.gigpo is only used by trainer.advantage='gigpo' (got {self.advantage!r}): "
                 "remove it or set advantage: gigpo"
             )
-        if self.policy_loss == "gspo" and self.sequence_parallel_size > 1:
-            raise ValueError(
-                f"trainer.policy_loss=gspo needs whole sequences on each rank; "
-                f"trainer.sequence_parallel_size={self.sequence_parallel_size} splits them: use 1"
-            )
         if self.advantage == "gae" and self.sequence_parallel_size > 1:
             raise ValueError(
                 f"trainer.sequence_parallel_size={self.sequence_parallel_size} does not support "

@@ -69,8 +69,8 @@ def gspo_old_logprobs(
     per-token advantages). `ppo_clip_loss` uses r_t = exp(logp_t - old'_t); with
     old'_t = sg[logp_t] - sg[log s_i], r_t has the value s_i and that gradient,
     so the clip, the dual clip and every aggregation apply unchanged. A whole
-    sequence is clipped or not. The sequence's tokens must all be in `logprobs`
-    (no sequence parallelism).
+    sequence is clipped or not. A sequence's tokens must all be in `logprobs`:
+    they are, under sequence parallelism too (the shards' logprobs are gathered).
     """
     mask_f = mask.to(logprobs.dtype)
     detached = logprobs.detach()

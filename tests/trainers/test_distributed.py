@@ -23,10 +23,13 @@ CONFIG: dict[str, Any] = {
     "micro_batch_tokens": 48,
     "loss_agg": "seq_mean_token_mean",
 }
-# one spawn runs all three in the same process group: DP over 2 ranks (DDP), SP=2 (ring attention, DP=1),
-# and DP with parameters, gradients and optimizer state sharded (FSDP)
-RUNS = [CONFIG, dict(CONFIG, sequence_parallel_size=2), dict(CONFIG, data_parallel="fsdp")]
-SP_RUN = 1
+# one spawn runs them all in the same process group: DP over 2 ranks (DDP), SP=2 (ring attention, DP=1),
+# DP with parameters, gradients and optimizer state sharded (FSDP), and GSPO under SP=2 (its per-sequence
+# ratio needs the whole sequence, which every SP rank's loss sees after the logprobs are gathered)
+GSPO = dict(CONFIG, policy_loss="gspo", off_policy={"mode": "none"})  # ratios vs the behaviour logprobs: not 1
+RUNS = [CONFIG, dict(CONFIG, sequence_parallel_size=2), dict(CONFIG, data_parallel="fsdp"),
+        dict(GSPO, sequence_parallel_size=2)]  # fmt: skip
+SP_RUNS = (1, 3)
 
 
 def _free_port() -> int:
@@ -49,12 +52,20 @@ def test_two_gloo_ranks_ddp_sp_and_fsdp_match_one_process(tiny_llama_path: str, 
 
     from agentrl.trainers.torch_trainer import TorchTrainer
 
-    single = TorchTrainer(CONFIG, tiny_llama_path)
-    groups = build.groups(3, 3, seed=7)
-    m1 = single.compute_gradients(groups)
-    stats1 = [tr.info["token_stats"] for g in groups for tr in g.trajectories]
-    g1 = {n: p.grad for n, p in single.model.named_parameters() if p.grad is not None}
+    one_process = {}
+    for name, config in (("ppo", CONFIG), ("gspo", GSPO)):
+        single = TorchTrainer(config, tiny_llama_path)
+        groups = build.groups(3, 3, seed=7)
+        metrics = single.compute_gradients(groups)
+        grads = {n: p.grad for n, p in single.model.named_parameters() if p.grad is not None}
+        one_process[name] = (metrics, grads, [tr.info["token_stats"] for g in groups for tr in g.trajectories])
+    # the made-up behaviour logprobs put the ratios far from 1: GSPO's gradients are not PPO's here,
+    # and not all zero (some sequences are inside the clip range)
+    ppo_grads, gspo_grads = one_process["ppo"][1], one_process["gspo"][1]
+    assert max(float(g.abs().max()) for g in gspo_grads.values()) > 0
+    assert any(not torch.allclose(gspo_grads[n], ppo_grads[n], rtol=1e-2, atol=0) for n in ppo_grads)
     for k, rank in [(k, r) for k in range(len(RUNS)) for r in range(2)]:
+        m1, g1, stats1 = one_process[RUNS[k].get("policy_loss", "ppo")]
         got = torch.load(tmp_path / f"{k}_rank{rank}.pt", weights_only=False)
         assert got["metrics"]["loss"] == pytest.approx(m1["loss"], rel=1e-5)
         assert got["metrics"]["samples"] == m1["samples"] == 9
@@ -73,9 +84,10 @@ def test_two_gloo_ranks_ddp_sp_and_fsdp_match_one_process(tiny_llama_path: str, 
             )
     # token stats: under DP each rank fills the trajectories it trained on, under SP every rank all
     for k in range(len(RUNS)):
+        stats1 = one_process[RUNS[k].get("policy_loss", "ppo")][2]
         ranks = [torch.load(tmp_path / f"{k}_rank{r}.pt", weights_only=False)["token_stats"] for r in (0, 1)]
         filled = [[s for s in pair if s is not None] for pair in zip(*ranks, strict=True)]
-        assert [len(f) for f in filled] == [2 if k == SP_RUN else 1] * len(stats1), f"run {k}"
+        assert [len(f) for f in filled] == [2 if k in SP_RUNS else 1] * len(stats1), f"run {k}"
         for got, want in zip(filled, stats1, strict=True):
             for s in got:
                 assert s["advantages"] == want["advantages"] and s["is_mask"] == want["is_mask"]

@@ -274,10 +274,3 @@ def test_gspo_on_fresh_data_takes_the_same_first_step_as_ppo(tiny_llama_path: st
     again = trainer(tiny_llama_path, off_policy={"mode": "tis"}, policy_loss="gspo", clip_low=1e-6, clip_high=1e-6,
                     epochs=2, lr=1e-2)  # fmt: skip
     assert again.train_step(build.groups(2, 3, seed=4))["clip_fraction"] > 0.0
-
-
-def test_gspo_needs_whole_sequences() -> None:
-    from pydantic import ValidationError
-
-    with pytest.raises(ValidationError, match="policy_loss=gspo needs whole sequences"):
-        TrainerConfig(policy_loss="gspo", sequence_parallel_size=2)
