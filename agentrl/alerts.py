@@ -1,6 +1,6 @@
 """Run alerts: a few metrics that mean a run is going wrong, watched every step.
 
-Three conditions are checked after each train step, on that step's metrics:
+Four conditions are checked after each train step, on that step's metrics:
 
 - `engine_drift`: `off_policy/fresh_mismatch_kl` (the KL between engine and
   trainer over the tokens the engine sampled with the very weights the
@@ -18,6 +18,11 @@ Three conditions are checked after each train step, on that step's metrics:
   the trainer never applies such an update). Once is an accident of one
   batch; every step means the loss itself is broken (a NaN reward, an
   overflow in low precision).
+- `replicas_lost`: fewer than `replicas_alive_share` of an engine pool's
+  replicas serve (`rollout/engine/replicas_alive` over `.../replicas`, the
+  `ray` pool): dead replicas being replaced for longer than `patience`
+  steps, or ones that ran out of restarts. The run goes on at lower
+  throughput, which nothing else would say.
 
 A condition fires when it held on `patience` consecutive steps. A firing is
 logged in the step's metrics (`alerts/<name>` = 1) and printed; with
@@ -51,6 +56,11 @@ class AlertsSection(BaseModel):
     error_share: float | None = Field(
         0.5, gt=0, le=1, description="episode_errors when more than this share of the step's episodes failed"
     )
+    replicas_alive_share: float | None = Field(
+        1.0, gt=0, le=1,
+        description="replicas_lost when fewer than this share of an engine pool's replicas are alive "
+        "(rollout/engine/replicas_alive over rollout/engine/replicas)",
+    )  # fmt: skip
     skipped_updates: int | None = Field(
         1, ge=1,
         description="nonfinite_grad when a step skipped at least this many optimizer updates for a NaN/inf "
@@ -104,6 +114,14 @@ class RunAlerts:
                 f"{share:.0%} of the step's episodes failed ({errors:.0f} of {episodes:.0f}; see rollout/errors/*) "
                 f"> error_share={cfg.error_share:g}"
                 if share > cfg.error_share else None
+            )  # fmt: skip
+        alive, replicas = m.get("rollout/engine/replicas_alive"), m.get("rollout/engine/replicas")
+        if cfg.replicas_alive_share is not None and alive is not None and replicas:
+            out["replicas_lost"] = (
+                f"{alive:.0f} of {replicas:.0f} engine replicas alive "
+                f"({m.get('rollout/engine/replicas_restarting', 0.0):.0f} restarting) < replicas_alive_share="
+                f"{cfg.replicas_alive_share:g}: the pool serves at reduced throughput"
+                if alive / replicas < cfg.replicas_alive_share else None
             )  # fmt: skip
         skipped = m.get("optim/skipped_updates")
         if cfg.skipped_updates is not None and skipped is not None:

@@ -32,7 +32,7 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     world = trainer.world
     tmp = path.with_name(path.name + ".tmp")
     # FSDP: gathering the weights and the optimizer state are collectives, so every rank takes part
-    weights = _engine_weights(trainer) if trainer.fsdp else None
+    weights = _engine_weights(trainer, keep=world.is_main) if trainer.fsdp else None
     adapter = _full_adapter_state(trainer) if trainer.fsdp and trainer.config.lora is not None else None
     optimizer = _full_optimizer_state(trainer) if trainer.fsdp else trainer.optimizer.state_dict()
     if world.is_main:
@@ -132,9 +132,18 @@ def _full_adapter_state(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
     }
 
 
-def _engine_weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
-    """The whole model as the engines get it (HF names, LoRA merged, FSDP shards gathered), on CPU."""
-    return {name: t for bucket in trainer.state_for_engines().buckets() for name, t in bucket}
+def _engine_weights(trainer: TorchTrainer, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model as the engines get it (HF names, LoRA merged, FSDP shards gathered), on CPU.
+
+    Under FSDP every rank must read it (each tensor is gathered from all ranks);
+    `keep=False` (the ranks that do not write) drops each bucket once read, so
+    only the writing rank ever holds the whole model.
+    """
+    weights: dict[str, torch.Tensor] = {}
+    for bucket in trainer.state_for_engines().buckets():
+        if keep:
+            weights.update(bucket)
+    return weights
 
 
 def _save_state(config: Any, state: dict[str, torch.Tensor], out: Path) -> None:

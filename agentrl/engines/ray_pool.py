@@ -261,6 +261,7 @@ class RayEnginePool:
         """Replica counters for the run's metrics (`rollout/engine/<key>`); cheap, no remote calls."""
         router = self._router
         return {
+            "replicas": float(len(router.alive)),
             "replicas_alive": float(sum(router.alive)),
             "replicas_restarting": float(len(self._restarting)),
             "replica_restarts": float(self.restarted),

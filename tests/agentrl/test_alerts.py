@@ -61,3 +61,16 @@ def test_nonfinite_grad_fires_on_skipped_updates() -> None:
     assert names(alerts, {**HEALTHY, "optim/skipped_updates": 0.0}) == []
     assert names(RunAlerts(AlertsSection(patience=1, skipped_updates=None)), {"optim/skipped_updates": 4.0}) == []
     assert names(RunAlerts(AlertsSection(patience=1, skipped_updates=2)), {"optim/skipped_updates": 1.0}) == []
+
+
+def test_replicas_lost_fires_while_the_pool_is_short_and_not_for_other_engines() -> None:
+    alerts = RunAlerts(AlertsSection(patience=2))
+    short = {**HEALTHY, "rollout/engine/replicas": 4.0, "rollout/engine/replicas_alive": 3.0,
+             "rollout/engine/replicas_restarting": 1.0}  # fmt: skip
+    assert names(alerts, short) == []  # one step: a restart in progress
+    fired = alerts.check(short)
+    assert [a.name for a in fired] == ["replicas_lost"] and "3 of 4 engine replicas alive (1 restarting)" in fired[0].message
+    assert names(alerts, {**short, "rollout/engine/replicas_alive": 4.0}) == []  # replaced: the streak ends
+    half = RunAlerts(AlertsSection(patience=1, replicas_alive_share=0.5))
+    assert names(half, short) == [] and names(half, {**short, "rollout/engine/replicas_alive": 1.0}) == ["replicas_lost"]
+    assert names(RunAlerts(AlertsSection(patience=1)), HEALTHY) == []  # an engine without a pool reports nothing

@@ -66,7 +66,8 @@ def test_agentrl_train_with_a_ray_trainer_group(tmp_path: Path, ray_train_cmd: A
     assert all(r["grad_norm"] > 0 for r in rl)
     assert all(r["weight_sync/mb"] > 10 and r["weight_sync/buckets"] >= 1 for r in rl)  # streamed from rank 0
     if variant == "ray":
-        assert all(r["rollout/engine/replicas_alive"] == 2 for r in rl)
+        assert all(r["rollout/engine/replicas_alive"] == r["rollout/engine/replicas"] == 2 for r in rl)
+        assert not any(k.startswith("alerts/") for r in rl for k in r)  # a full pool: replicas_lost stays quiet
     ckpt = run / "checkpoints" / "step-000002"
     assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
     assert json.loads((ckpt / "extra_state.json").read_text())["step"] == 2

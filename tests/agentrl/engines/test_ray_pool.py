@@ -120,7 +120,7 @@ async def test_a_dead_replica_is_routed_around_then_restarted_with_the_current_w
     assert max_diff(out.logprobs, reference_logprobs(current, PROMPT, out.ids)) < 1e-4
     health = await pool.health()
     assert health.ok and health.detail["replicas_alive"] == 2 and health.detail["replica_restarts"] == 1
-    assert pool.stats() == {"replicas_alive": 2.0, "replicas_restarting": 0.0, "replica_restarts": 1.0,
+    assert pool.stats() == {"replicas": 2.0, "replicas_alive": 2.0, "replicas_restarting": 0.0, "replica_restarts": 1.0,
                             "retried_requests": float(pool.retried)}  # fmt: skip
 
 
