@@ -921,4 +921,3 @@ def _after(column: str | None, desc: bool, key: Any, seq: int) -> tuple[str, lis
         return (sql, [seq]) if desc else (f"({sql} OR {c} IS NOT NULL)", [seq])
     sql = f"({c} {op} ? OR ({c} = ? AND t.seq {op} ?))"
     return (f"({sql} OR {c} IS NULL)", [key, key, seq]) if desc else (sql, [key, key, seq])
-

@@ -226,10 +226,7 @@ def _turn_advantages(
             group_advs, counts = turn_credit.gigpo(group, tables, step_weight=step_weight, step_norm=step_norm, eps=eps)
             advs.extend(group_advs)
             totals = {k: totals[k] + counts[k] for k in totals}
-        rets.extend(
-            t.to(torch.float32)[turn_credit.turn_index(s).clamp(max=t.numel() - 1)] * masks[i + j]
-            for j, (s, t) in enumerate(zip(group, tables, strict=True))
-        )
+        rets.extend(turn_credit.per_token(group, tables))
         i += len(group)
     metrics = _adv_metrics(advs, masks, samples)
     if estimator == "gigpo" and totals["turns"]:

@@ -73,8 +73,13 @@ def _padded(tables: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def per_token(samples: Sequence[TrainSample], tables: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The turn tables spread over the tokens: each sampled token gets its turn's return (0 elsewhere)."""
+    return _spread(samples, _padded(tables))
+
+
 def _spread(samples: Sequence[TrainSample], per_turn: torch.Tensor) -> list[torch.Tensor]:
-    """Per-token advantages from a [samples, turns] matrix: each sampled token gets its turn's value."""
+    """Per-token values from a [samples, turns] matrix: each sampled token gets its turn's value."""
     out = []
     for i, s in enumerate(samples):
         mask = torch.tensor(s.loss_mask, dtype=torch.float32)
