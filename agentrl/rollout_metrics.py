@@ -50,10 +50,11 @@ class RolloutMetrics:
         self.reward_sum = 0.0
 
     def episode(self, traj: Trajectory) -> None:
+        sampled = traj.num_sampled_tokens  # a pass over the episode's tokens: once
         self.episodes += 1
-        self.tokens += traj.num_sampled_tokens
+        self.tokens += sampled
         self.turns += len(traj.turns)
-        self._tokens_total += traj.num_sampled_tokens
+        self._tokens_total += sampled
         for turn in traj.turns:
             for name in turn.tool_calls or ():
                 if name not in self._tool_names and len(self._tool_names) < MAX_TOOL_NAMES:
