@@ -67,6 +67,13 @@ class RunSection(_Section):
         description="times the run restarts itself from its last checkpoint after a failure a restart can "
         "fix (a trainer rank that died or missed its deadline); 0 = stop with the error",
     )
+    gc_threshold: int = Field(
+        10_000,
+        ge=0,
+        description="collection threshold of the youngest generation of Python's garbage collector during the "
+        "run (Python's default, 700, makes collections walk queued trajectories every few episodes); "
+        "0 = leave the interpreter's setting",
+    )
 
 
     @model_validator(mode="after")

@@ -25,9 +25,14 @@ the same rounds. The issue's goal (100,000 env steps/s) was set against
 by this machine's measured rate, so the result can be read against the goal
 on whatever machine runs it.
 
+All four run with the garbage collector set as `agentrl train` sets it
+(`run.gc_threshold`, agentrl/gc_tuning.py); the managed run is repeated with
+the interpreter's own thresholds (`env_steps_per_s_python_gc`), so the share
+of the collector is on the same line.
+
 Summary line: env_steps_per_s=... baseline_steps_per_s=... overhead_us_per_step=...
 env_steps_per_cpu_s=... baseline_steps_per_cpu_s=... loop_floor_steps_per_s=...
-asyncio_yields_per_s=... goal_here=<100000 * yields / 600000>
+env_steps_per_s_python_gc=... gc_threshold=... asyncio_yields_per_s=... goal_here=<100000 * yields / 600000>
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from agentrl.chat import SimpleChatTokenizer
+from agentrl.config import RunSection
 from agentrl.engines.base import EngineHealth, Sampling, WeightSource
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.env import Env, StepResult, Task
+from agentrl.gc_tuning import gc_threshold
 from agentrl.rollout import RolloutManager
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import run_episode
@@ -205,28 +212,35 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
     asyncio.run(managed(50))  # warm up
+    gc_gen0 = RunSection.model_fields["gc_threshold"].default  # what `agentrl train` runs with
     rates: dict[str, list[float]] = {"managed": [], "baseline": [], "managed_cpu": [], "baseline_cpu": [], "floor": [],
-                                     "yields": []}
+                                     "yields": [], "managed_python_gc": []}
     for i in range(args.rounds):
-        b_steps, b_s, b_cpu = asyncio.run(baseline(args.groups * 8))
-        m_steps, m_s, m_cpu = asyncio.run(managed(args.groups))
+        with gc_threshold(gc_gen0):
+            b_steps, b_s, b_cpu = asyncio.run(baseline(args.groups * 8))
+            m_steps, m_s, m_cpu = asyncio.run(managed(args.groups))
+            f_steps, f_s, _ = asyncio.run(floor(args.groups * 8))
+            y_n, y_s = asyncio.run(yields(200_000))
+        p_steps, p_s, _ = asyncio.run(managed(args.groups))  # the interpreter's own collector settings
         rates["managed"].append(m_steps / m_s)
         rates["baseline"].append(b_steps / b_s)
         rates["managed_cpu"].append(m_steps / m_cpu)
         rates["baseline_cpu"].append(b_steps / b_cpu)
-        f_steps, f_s, _ = asyncio.run(floor(args.groups * 8))
         rates["floor"].append(f_steps / f_s)
-        y_n, y_s = asyncio.run(yields(200_000))
         rates["yields"].append(y_n / y_s)
+        rates["managed_python_gc"].append(p_steps / p_s)
         print(
             f"round {i}: managed {m_steps} env steps in {m_s:.2f}s ({m_cpu:.2f}s CPU); "
             f"baseline {b_steps} in {b_s:.2f}s ({b_cpu:.2f}s CPU); "
-            f"loop floor {f_steps} in {f_s:.2f}s; asyncio {y_n / y_s:.0f} yields/s; load={os.getloadavg()[0]:.2f}"
+            f"loop floor {f_steps} in {f_s:.2f}s; asyncio {y_n / y_s:.0f} yields/s; "
+            f"managed with Python's gc thresholds {gc.get_threshold()} {p_steps} in {p_s:.2f}s; "
+            f"load={os.getloadavg()[0]:.2f}"
         )
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-        asyncio.run(managed(args.groups))
+        with gc_threshold(gc_gen0):
+            asyncio.run(managed(args.groups))
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     med = {k: statistics.median(v) for k, v in rates.items()}
@@ -235,6 +249,7 @@ def main() -> None:
         f"overhead_us_per_step={1e6 / med['managed'] - 1e6 / med['baseline']:.1f} "
         f"env_steps_per_cpu_s={med['managed_cpu']:.0f} baseline_steps_per_cpu_s={med['baseline_cpu']:.0f} "
         f"loop_floor_steps_per_s={med['floor']:.0f} "
+        f"env_steps_per_s_python_gc={med['managed_python_gc']:.0f} gc_threshold={gc_gen0} "
         f"asyncio_yields_per_s={med['yields']:.0f} goal_here={100_000 * med['yields'] / 600_000:.0f}"
     )
 
