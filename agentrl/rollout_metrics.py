@@ -1,7 +1,8 @@
 """Per-step rollout metrics: a window of counters the manager fills and `take()` empties.
 
 Keys are flat `rollout/...` names (floats), ready for the store and loggers:
-episodes/s, sampled tokens/s, turns, tool calls per tool, errors by class,
+episodes/s, sampled tokens/s, turns, retokenization drift (how far re-rendering
+the messages would be from the ids the model saw), tool calls per tool, errors by class,
 groups dropped by reason, retries, the staleness histogram of groups handed to
 the trainer, queue depth, in-flight episodes, the engine busy fraction and
 the engine's own counters (`rollout/engine/<key>`, from an engine's optional
@@ -41,6 +42,9 @@ class RolloutMetrics:
         self.episodes = 0
         self.tokens = 0
         self.turns = 0
+        self.drift_sum = 0.0
+        self.drifted = 0  # episodes whose ids a re-tokenising framework would have got wrong
+        self.drift_max = 0.0
         self.tool_calls: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
@@ -55,6 +59,12 @@ class RolloutMetrics:
         self.tokens += sampled
         self.turns += len(traj.turns)
         self._tokens_total += sampled
+        drift = traj.metrics.get("retokenization_drift", 0.0)
+        if drift:
+            self.drift_sum += drift
+            self.drifted += 1
+            if drift > self.drift_max:
+                self.drift_max = drift
         for turn in traj.turns:
             for name in turn.tool_calls or ():
                 if name not in self._tool_names and len(self._tool_names) < MAX_TOOL_NAMES:
@@ -79,6 +89,9 @@ class RolloutMetrics:
             "rollout/tokens_per_s": self._tokens_total / max(now - self._started, 1e-9),
             "rollout/window_tokens_per_s": self.tokens / wall,
             "rollout/turns_mean": self.turns / self.episodes if self.episodes else 0.0,
+            "rollout/retokenization_drift_mean": self.drift_sum / self.episodes if self.episodes else 0.0,
+            "rollout/retokenization_drift_max": self.drift_max,
+            "rollout/retokenization_drift_share": self.drifted / self.episodes if self.episodes else 0.0,
             "rollout/retries": float(self.retries),
             "rollout/groups": float(self.groups_out),
             "rollout/queue_depth": float(queue_depth),

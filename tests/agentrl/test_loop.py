@@ -80,6 +80,11 @@ def test_calculator_fast_variant_trains(tmp_path: Path, tiny_llama_path: str) ->
     assert 0 < prefilled[0] < prefilled[1] < prefilled[2]
     assert all(0 <= r["rollout/engine/prefix_cache_hit_share"] <= 1 for r in rl_rows)
     assert any(r["grad_norm"] > 0 for r in rl_rows), "no RL step had a non-zero gradient"
+    assert all(
+        0 <= r["rollout/retokenization_drift_mean"] <= r["rollout/retokenization_drift_max"] <= 1
+        and 0 <= r["rollout/retokenization_drift_share"] <= 1
+        for r in rl_rows
+    )
     assert any(r["step"] == 0 and "eval/reward_mean" in r for r in rows)
     sft = [r for r in rows if "sft/loss" in r]
     assert len(sft) == 2 and all(r["sft/loss"] > 0 and r["sft/grad_norm"] > 0 for r in sft)

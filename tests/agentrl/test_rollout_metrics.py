@@ -45,3 +45,19 @@ def test_the_engines_own_counters_are_logged_under_rollout_engine() -> None:
     out = m.take(queue_depth=0, in_flight=0)
     assert out["rollout/engine/replicas_alive"] == 1.0 and out["rollout/engine/replica_restarts"] == 0.0
     assert not any(k.startswith("rollout/engine/") for k in RolloutMetrics().take(queue_depth=0, in_flight=0))
+
+
+def test_retokenization_drift_is_averaged_over_the_windows_episodes() -> None:
+    m = RolloutMetrics()
+    for drift in (0.0, 0.0, 0.1, 0.3):
+        traj = _episode([], 4)
+        traj.metrics["retokenization_drift"] = drift
+        m.episode(traj)
+    m.episode(_episode([], 4))  # no drift recorded (an episode that failed before its first turn): counts as 0
+    out = m.take(queue_depth=0, in_flight=0)
+    assert out["rollout/retokenization_drift_mean"] == (0.1 + 0.3) / 5
+    assert out["rollout/retokenization_drift_max"] == 0.3
+    assert out["rollout/retokenization_drift_share"] == 2 / 5
+    empty = m.take(queue_depth=0, in_flight=0)  # a new window starts from nothing
+    assert empty["rollout/retokenization_drift_mean"] == empty["rollout/retokenization_drift_max"] == 0.0
+    assert empty["rollout/retokenization_drift_share"] == 0.0
