@@ -35,6 +35,7 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     weights = _engine_weights(trainer, keep=world.is_main) if trainer.fsdp else None
     adapter = _full_adapter_state(trainer) if trainer.fsdp and trainer.config.lora is not None else None
     optimizer = _full_optimizer_state(trainer) if trainer.fsdp else trainer.optimizer.state_dict()
+    critic = trainer.critic.state_dict() if trainer.critic is not None else None  # sharded: gathered, every rank
     if world.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -52,7 +53,7 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
                 "scheduler": trainer.scheduler.state_dict(),
                 "step": trainer.step,
                 "policy_version": trainer.policy_version,
-                "critic": trainer.critic.state_dict() if trainer.critic is not None else None,
+                "critic": critic,
                 "config": trainer.config.model_dump(mode="json"),
             },
             tmp / "trainer_state.pt",

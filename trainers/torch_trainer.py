@@ -193,6 +193,7 @@ class TorchTrainer:
             device=self.device,
             autocast_dtype=self.autocast_dtype,
             world=self.world,
+            shard=self.config.data_parallel == "fsdp",
         )
 
     def _sequence_parallel(self) -> Any:
@@ -377,7 +378,10 @@ class TorchTrainer:
                 ref = all_gather_dict(ref, self.world)
         values: dict[int, torch.Tensor] = {}
         if self.critic is not None:
-            values = all_gather_dict(self.critic.values(aux_batches), self.world)
+            critic_batches = self._forwards(list(aux_batches), list(base), at_least_one=False)
+            values = all_gather_dict(
+                self.critic.values(critic_batches, extra_forwards=len(critic_batches) - len(aux_batches)), self.world
+            )
         updates = cfg.epochs * cfg.mini_batches
         prox: dict[int, torch.Tensor] = self._aux_logprobs(self.model, aux_batches) if updates > 1 else {}
 
@@ -442,7 +446,7 @@ class TorchTrainer:
                     continue
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + self._optimizer_step()
                 if self.critic is not None:
-                    crit = self.critic.update(batches or [self._dummy_batch(list(fields))], counts[1])
+                    crit = self.critic.update(self._forwards(batches, list(fields), at_least_one=True), counts[1])
                     sums["critic/loss"] = sums.get("critic/loss", 0.0) + float(
                         all_reduce_sum(torch.tensor(crit["critic/loss_local"]), self.world)
                     )

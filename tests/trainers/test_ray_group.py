@@ -174,6 +174,40 @@ def test_fsdp_ranks_step_save_and_resume_like_one_process(
         sharded.close()
 
 
+def test_fsdp_shards_the_gae_critic_and_steps_and_resumes_like_one_process(
+    group: Any, tiny_llama_path: str, build: Any, tmp_path: Path
+) -> None:
+    """advantage=gae under fsdp: the critic is sharded too. Its values feed the next step's advantages, so
+    a second step equal to one process's means the sharded critic trained like one; a checkpoint (the critic
+    gathered whole, model and Adam state) resumes to the same next step."""
+    from agentrl.trainers.ray_group import RayTrainerGroup
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    config = dict(CONFIG, data_parallel="fsdp", advantage="gae", critic={"lr": 1e-2}, mini_batches=2)
+    sharded = RayTrainerGroup(dict(config, world_size=2, num_cpus_per_rank=0.5), tiny_llama_path)
+    try:
+        single = TorchTrainer(config, tiny_llama_path)
+        for seed in (7, 8):
+            got, want = sharded.train_step(build.groups(3, 3, seed=seed)), single.train_step(build.groups(3, 3, seed=seed))
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+            assert got["critic/loss"] == pytest.approx(want["critic/loss"], rel=1e-4)
+            assert got["adv/abs_mean"] == pytest.approx(want["adv/abs_mean"], rel=1e-4)
+        assert got["adv/abs_mean"] > 0  # the second step's advantages came through the trained critic
+        _assert_same_weights(_weights(sharded), _weights(single), atol=ADAM_ROUNDING_ATOL)
+
+        sharded.save(str(tmp_path / "ckpt"), {"step": 2})
+        state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)["critic"]
+        whole = {name: t.shape for name, t in single.critic.model.state_dict().items()}
+        assert {name: t.shape for name, t in state["model"].items()} == whole  # gathered, not rank 0's shards
+        after = sharded.train_step(build.groups(2, 3, seed=10))
+        assert sharded.load(str(tmp_path / "ckpt")) == {"step": 2}
+        again = sharded.train_step(build.groups(2, 3, seed=10))
+        assert again["critic/loss"] == pytest.approx(after["critic/loss"], rel=1e-6)
+        assert again["loss"] == pytest.approx(after["loss"], rel=1e-6)
+    finally:
+        sharded.close()
+
+
 def test_bad_configs_name_the_key(tiny_llama_path: str) -> None:
     from agentrl.trainers.ray_group import RayTrainerGroup
 
