@@ -5,7 +5,7 @@ Layout of a checkpoint directory:
                        With LoRA the adapters are merged in (what engines and evals want).
   adapter/             LoRA only: the peft adapter, which is what resume loads.
   trainer_state.pt     optimizer, scheduler, step, policy_version, critic (if any)
-  rng_rank{R}.pt       python / numpy / torch (and CUDA) RNG states of rank R
+  rng_rank{R}.pt       python / numpy / torch (and CUDA) RNG states of process R (SP ranks included)
   extra_state.json     the caller's JSON state (data cursor, rollout state, …)
 The directory is written under a temporary name and renamed, so a crash never
 leaves a half checkpoint under the final name.
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[str, Any]) -> None:
     """Write a checkpoint of `trainer` to `path` (replacing an existing one)."""
     path = Path(path)
-    world = trainer.world
+    world = trainer.processes  # under SP the data-parallel rank 0 is several processes: one writes
     tmp = path.with_name(path.name + ".tmp")
     # FSDP: gathering the weights and the optimizer state are collectives, so every rank takes part
     weights = _engine_weights(trainer, keep=world.is_main) if trainer.fsdp else None
@@ -96,7 +96,7 @@ def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
         if state.get("critic") is None:
             raise ValueError(f"{path}: checkpoint has no critic state but trainer.advantage='gae' needs one")
         trainer.critic.load_state_dict(state["critic"])
-    rng_file = path / f"rng_rank{trainer.world.rank}.pt"
+    rng_file = path / f"rng_rank{trainer.processes.rank}.pt"
     if rng_file.exists():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     extra: dict[str, Any] = json.loads((path / "extra_state.json").read_text())
@@ -245,7 +245,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _barrier(trainer: TorchTrainer) -> None:
-    if trainer.world.size > 1:
+    if trainer.processes.size > 1:
         import torch.distributed as dist
 
-        dist.barrier(group=trainer.world.group)
+        dist.barrier(group=trainer.processes.group)

@@ -97,8 +97,11 @@ class TorchTrainer:
         self.sp_groups: Any = self._sequence_parallel() if self.config.sequence_parallel_size > 1 else None
         if self.sp_groups is not None:  # data parallel runs across SP groups
             self.world = World(self.sp_groups.dp_rank, self.sp_groups.dp_size, self.sp_groups.dp_group)
+            # every process, SP ranks included: checkpoints are written by one of them and wait for all
+            self.processes = current_world()
         else:
             self.world = world if world is not None else current_world()
+            self.processes = self.world
         self.policy_version = 0
         self.step = 0
         self.skipped_updates = 0  # optimizer updates dropped for a non-finite gradient norm (run total)

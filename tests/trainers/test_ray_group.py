@@ -46,6 +46,7 @@ VARIANTS = {
     "ray": ["engine={name: ray, dtype: fp32, replicas: 2, num_cpus: 0.5, block_tokens: 16}"],  # and on to 2 replicas
     "fsdp": ["trainer.lora=null", "trainer.data_parallel=fsdp"],  # full fine-tuning, sharded over the ranks
     "fsdp_lora": ["trainer.data_parallel=fsdp"],  # the example's LoRA, base and adapters sharded
+    "sp": ["trainer.sequence_parallel_size=2", "trainer.shared_prefix=false"],  # both ranks split each row
 }
 
 
@@ -206,6 +207,31 @@ def test_fsdp_shards_the_gae_critic_and_steps_and_resumes_like_one_process(
         assert again["loss"] == pytest.approx(after["loss"], rel=1e-6)
     finally:
         sharded.close()
+
+
+def test_sequence_parallel_ranks_step_save_and_resume_like_one_process(
+    group: Any, tiny_llama_path: str, build: Any, tmp_path: Path
+) -> None:
+    """Two ranks splitting each row with ring attention (SP=2) step like one process, and checkpoint: both are
+    data-parallel rank 0, but only one writes (they used to race on the directory), each saves its RNG."""
+    from agentrl.trainers.ray_group import RayTrainerGroup
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    sp = RayTrainerGroup(dict(CONFIG, world_size=2, sequence_parallel_size=2, num_cpus_per_rank=0.5), tiny_llama_path)
+    try:
+        single = TorchTrainer(CONFIG, tiny_llama_path)
+        got, want = sp.train_step(build.groups(3, 3, seed=7)), single.train_step(build.groups(3, 3, seed=7))
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+        _assert_same_weights(_weights(sp), _weights(single))
+        sp.save(str(tmp_path / "ckpt"), {"step": 1})
+        assert (tmp_path / "ckpt" / "rng_rank0.pt").is_file() and (tmp_path / "ckpt" / "rng_rank1.pt").is_file()
+        sp.train_step(build.groups(2, 3, seed=10))
+        after = _weights(sp)
+        assert sp.load(str(tmp_path / "ckpt")) == {"step": 1}
+        sp.train_step(build.groups(2, 3, seed=10))
+        _assert_same_weights(_weights(sp), after)
+    finally:
+        sp.close()
 
 
 def test_bad_configs_name_the_key(tiny_llama_path: str) -> None:
