@@ -292,7 +292,7 @@ class TrainerConfig(_Section):
         description="how ranks share the model: ddp = a full copy per rank, gradients all-reduced; fsdp = "
         "parameters, gradients and optimizer state sharded over the ranks (FSDP2), for models whose "
         "training state does not fit one device (with lora: the frozen base is sharded too; with gae: the "
-        "critic too); fsdp is not with sequence_parallel_size > 1",
+        "critic too; with sequence_parallel_size > 1: over every rank, SP ranks included)",
     )
     weight_bucket_mb: float = Field(
         256.0, gt=0.0, description="max size in MiB of one bucket of weights sent to the engines"
@@ -340,9 +340,4 @@ class TrainerConfig(_Section):
             )
         if self.kl.in_reward and not self.kl.enabled:
             raise ValueError("trainer.kl.in_reward=true needs trainer.kl.coef > 0")
-        if self.data_parallel == "fsdp" and self.sequence_parallel_size > 1:
-            raise ValueError(
-                "trainer.data_parallel=fsdp does not support trainer.sequence_parallel_size>1 yet; "
-                "use data_parallel: ddp"
-            )
         return self

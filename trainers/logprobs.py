@@ -180,6 +180,27 @@ class PackedLogprobs(nn.Module):
         )
 
 
+class SequenceParallelLogprobs(nn.Module):
+    """`sequence_parallel_logprobs` as a module: the root FSDP unit under sharded SP (its forward gathers
+    the embeddings, final norm and lm_head that the decoder blocks' own units do not hold)."""
+
+    def __init__(self, model: nn.Module, groups: Any, *, pad_token_id: int, chunk_tokens: int, temperature: float) -> None:
+        super().__init__()
+        self.model = model
+        self.groups = groups
+        self.pad_token_id = pad_token_id
+        self.chunk_tokens = chunk_tokens
+        self.temperature = temperature
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return sequence_parallel_logprobs(
+            self.model, input_ids, position_ids, cu_seqlens, self.groups, pad_token_id=self.pad_token_id,
+            chunk_tokens=self.chunk_tokens, temperature=self.temperature, with_entropy=with_entropy,
+        )  # fmt: skip
+
+
 def sequence_parallel_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,

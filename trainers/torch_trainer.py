@@ -45,6 +45,7 @@ from agentrl.trainers.distributed import (
 )
 from agentrl.trainers.logprobs import (
     PackedLogprobs,
+    SequenceParallelLogprobs,
     base_causal_lm,
     packed_logprobs,
     sequence_parallel_logprobs,
@@ -122,11 +123,23 @@ class TorchTrainer:
         self.logprob_module = PackedLogprobs(
             self.model, chunk_tokens=self.config.logprob_chunk_tokens, temperature=self.config.temperature
         )
-        self.fsdp = self.config.data_parallel == "fsdp" and self.world.size > 1
-        if self.fsdp:  # parameters sharded; the logprob module's forward gathers them (distributed.fully_shard)
-            self.logprob_module = fully_shard(self.logprob_module, self.model, self.world, self.device)
+        self.sp_module: nn.Module | None = None  # the policy's logprobs under SP
+        if self.sp_groups is not None:
+            self.sp_module = SequenceParallelLogprobs(
+                self.model, self.sp_groups, pad_token_id=self.pad_id, chunk_tokens=self.config.logprob_chunk_tokens,
+                temperature=self.config.temperature,
+            )  # fmt: skip
+        # FSDP shards over every process, SP ranks included; its reduce-scatter averages gradients over them all
+        self.fsdp = self.config.data_parallel == "fsdp" and self.processes.size > 1
+        if self.fsdp:  # parameters sharded; the root module's forward gathers the rest (distributed.fully_shard)
+            if self.sp_module is not None:
+                self.sp_module = fully_shard(self.sp_module, self.model, self.processes, self.device)
+            else:
+                self.logprob_module = fully_shard(self.logprob_module, self.model, self.world, self.device)
         elif self.sp_groups is None:  # under SP, gradients are reduced by sequence_parallel.reduce_gradients
             self.logprob_module = wrap(self.logprob_module, self.world, self.device)
+        # a backward's loss is scaled so that the gradient reduction (a mean) gives the whole batch's sum
+        self.grad_scale = self.processes.size if self.fsdp else self.world.size
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
@@ -222,6 +235,11 @@ class TorchTrainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token logprobs of a packed micro-batch: plain/DDP, or sharded over the SP group."""
         if self.sp_groups is not None:
+            if model is self.model and self.sp_module is not None:
+                sp_out: tuple[torch.Tensor, torch.Tensor | None] = self.sp_module(
+                    b.input_ids, b.position_ids, b.cu_seqlens, with_entropy=with_entropy
+                )
+                return sp_out
             return sequence_parallel_logprobs(
                 model, b.input_ids, b.position_ids, b.cu_seqlens, self.sp_groups,
                 pad_token_id=self.pad_id, chunk_tokens=self.config.logprob_chunk_tokens,
@@ -538,7 +556,7 @@ class TorchTrainer:
                     kl_estimator=cfg.kl.estimator,
                     entropy_coef=cfg.entropy_coef,
                 )
-                (loss * self.world.size).backward()
+                (loss * self.grad_scale).backward()
             sums += torch.tensor(
                 [
                     float(loss.detach()),
@@ -599,7 +617,7 @@ class TorchTrainer:
             self.scheduler.step()
 
     def _reduce_sp_gradients(self) -> None:
-        if self.sp_groups is not None:
+        if self.sp_groups is not None and not self.fsdp:  # FSDP reduces them itself
             from agentrl.trainers.sequence_parallel import reduce_gradients
 
             reduce_gradients([p for p in self.model.parameters() if p.requires_grad], self.sp_groups)
@@ -667,7 +685,7 @@ class TorchTrainer:
                 with self._autocast():
                     logp, _ = self._logprobs(self.model, b)
                 loss = -(logp.float() * b.fields["loss_mask"]).sum() / max(num_tokens, 1)
-                (loss * self.world.size).backward()
+                (loss * self.grad_scale).backward()
             total += float(loss.detach())
         lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used, as train_step reports it
         skipped_before = self.skipped_updates

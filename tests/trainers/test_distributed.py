@@ -1,5 +1,5 @@
-"""Data parallel (DDP and FSDP) and sequence parallel over 2 gloo ranks give the same loss and
-gradients as one process on the same data."""
+"""Data parallel (DDP and FSDP) and sequence parallel (alone and sharded) over 2 gloo ranks give the same
+loss and gradients as one process on the same data."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ CONFIG: dict[str, Any] = {
     "loss_agg": "seq_mean_token_mean",
 }
 # one spawn runs them all in the same process group: DP over 2 ranks (DDP), SP=2 (ring attention, DP=1),
-# DP with parameters, gradients and optimizer state sharded (FSDP), and GSPO under SP=2 (its per-sequence
-# ratio needs the whole sequence, which every SP rank's loss sees after the logprobs are gathered)
+# DP with parameters, gradients and optimizer state sharded (FSDP), GSPO under SP=2 (its per-sequence
+# ratio needs the whole sequence, which every SP rank's loss sees after the logprobs are gathered), and
+# SP=2 with the parameters sharded over both SP ranks (FSDP's mean of their gradients, scaled to a sum)
 GSPO = dict(CONFIG, policy_loss="gspo", off_policy={"mode": "none"})  # ratios vs the behaviour logprobs: not 1
 RUNS = [CONFIG, dict(CONFIG, sequence_parallel_size=2), dict(CONFIG, data_parallel="fsdp"),
-        dict(GSPO, sequence_parallel_size=2)]  # fmt: skip
-SP_RUNS = (1, 3)
+        dict(GSPO, sequence_parallel_size=2),
+        dict(CONFIG, data_parallel="fsdp", sequence_parallel_size=2)]  # fmt: skip
+SP_RUNS = (1, 3, 4)
 
 
 def _free_port() -> int:

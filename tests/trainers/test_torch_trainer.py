@@ -230,14 +230,6 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tiny_llama_path: str) -> N
     assert TorchTrainer({"dtype": "fp32"}, tiny_llama_path).device == "cpu"  # the default
 
 
-def test_fsdp_takes_lora_and_gae_but_not_sequence_parallel() -> None:
-    from agentrl.trainers.config import TrainerConfig
-    from pydantic import ValidationError
-
-    assert TrainerConfig(data_parallel="fsdp", lora={"r": 4}).lora is not None
-    assert TrainerConfig(data_parallel="fsdp", advantage="gae", critic={}).critic is not None
-    with pytest.raises(ValidationError, match=r"does not support trainer\.sequence_parallel_size>1 yet"):
-        TrainerConfig(data_parallel="fsdp", sequence_parallel_size=2)
 
 
 def test_a_nonfinite_gradient_skips_the_update_and_leaves_the_weights(tiny_llama_path: str, build: Any) -> None:
