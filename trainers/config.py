@@ -285,7 +285,7 @@ class TrainerConfig(_Section):
         1,
         ge=1,
         description="ranks that split each packed row with ring attention (world size a multiple of it); "
-        "1 = off, >1 not with gae",
+        "1 = off",
     )
     data_parallel: Literal["ddp", "fsdp"] = Field(
         "ddp",
@@ -325,11 +325,6 @@ class TrainerConfig(_Section):
             raise ValueError(
                 f"trainer.gigpo is only used by trainer.advantage='gigpo' (got {self.advantage!r}): "
                 "remove it or set advantage: gigpo"
-            )
-        if self.advantage == "gae" and self.sequence_parallel_size > 1:
-            raise ValueError(
-                f"trainer.sequence_parallel_size={self.sequence_parallel_size} does not support "
-                "advantage='gae' yet (the critic runs unsplit); use 1"
             )
         if self.schedule != "constant" and self.total_steps is None:
             raise ValueError(f"trainer.schedule={self.schedule!r} needs trainer.total_steps")

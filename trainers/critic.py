@@ -5,6 +5,9 @@
 Trained with the clipped value loss, token-mean over the batch's loss tokens.
 Under `data_parallel: fsdp` the value model is sharded like the policy (one
 FSDP unit per transformer block), and its checkpoint state is gathered whole.
+Under sequence parallelism each rank runs the backbone on its zigzag shard
+of the packed row (ring attention, like the policy) and the values are
+gathered, so every SP rank sees the whole row's values.
 """
 
 from __future__ import annotations
@@ -21,22 +24,38 @@ from torch import nn
 
 
 class ValueModel(nn.Module):
-    """Decoder backbone + linear head (zero-initialised, so initial values are 0)."""
+    """Decoder backbone + linear head (zero-initialised, so initial values are 0).
 
-    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+    With `sp_groups` the backbone (patched for ring attention) runs on this
+    rank's shard of the packed row and the per-token head outputs are gathered.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, sp_groups: Any = None, pad_token_id: int = 0) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        self.sp_groups = sp_groups
+        self.pad_token_id = pad_token_id
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        v = self.head(hidden[0, :-1]).squeeze(-1).float()
-        v = torch.cat([v.new_zeros(1), v])
-        return v.masked_fill(position_ids[0] == 0, 0.0)
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.sp_groups is None:
+            hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+            after = self.head(hidden[0]).squeeze(-1).float()  # the value of the state after each token
+        else:
+            from agentrl.trainers.sequence_parallel import shard_packed_batch
+
+            if cu_seqlens is None:
+                raise ValueError("a sequence-parallel value model needs the packed batch's cu_seqlens")
+            shard = shard_packed_batch(input_ids, position_ids, cu_seqlens, self.sp_groups,
+                                       pad_token_id=self.pad_token_id)  # fmt: skip
+            hidden = self.backbone(**shard.model_inputs()).last_hidden_state[0]
+            after = shard.gather(self.head(hidden).squeeze(-1).float())
+        v = torch.cat([after.new_zeros(1), after[:-1]])  # value[t]: the state before token t
+        return v.masked_fill(position_ids.reshape(-1) == 0, 0.0)
 
 
 class Critic:
@@ -52,9 +71,17 @@ class Critic:
         world: World | None = None,
         load: Callable[[Any, str], Any] | None = None,
         shard: bool = False,
+        sp_groups: Any = None,
+        processes: World | None = None,
+        pad_token_id: int = 0,
     ) -> None:
-        """`load(auto_cls, path)` loads the backbone (the trainer passes its attention setup);
-        `shard` spreads the value model's parameters over the world with FSDP2 (else DDP)."""
+        """`load(auto_cls, path)` loads the backbone (the trainer passes its attention setup).
+
+        `world` is the data-parallel world; `processes` every rank (they differ under
+        sequence parallelism, `sp_groups`). `shard` spreads the value model's
+        parameters over every rank with FSDP2; else DDP over `world`, or, under
+        SP, the gradient reduction of `sequence_parallel.reduce_gradients`.
+        """
         from transformers import AutoModel
 
         self.config = config
@@ -63,12 +90,21 @@ class Critic:
         self.world = world or World()
         path = config.model_path or model_path
         backbone = load(AutoModel, path) if load else AutoModel.from_pretrained(path, dtype=torch.float32)
-        self.model = ValueModel(backbone, backbone.config.hidden_size).to(device)
-        self.sharded = shard and self.world.size > 1
-        # FSDP shards in place (the model is its own module); DDP wraps it
-        self.module = fully_shard(self.model, backbone, self.world, device) if self.sharded else wrap(
-            self.model, self.world, device
-        )
+        processes = processes or self.world
+        self.sp_groups = sp_groups
+        if sp_groups is not None:
+            from agentrl.trainers.sequence_parallel import patch_model_for_sp
+
+            patch_model_for_sp(backbone)
+        self.model = ValueModel(backbone, backbone.config.hidden_size, sp_groups, pad_token_id).to(device)
+        self.sharded = shard and processes.size > 1
+        self.module: nn.Module = self.model  # FSDP shards in place; under SP gradients are reduced after backward
+        if self.sharded:
+            self.module = fully_shard(self.model, backbone, processes, device)
+        elif sp_groups is None:
+            self.module = wrap(self.model, self.world, device)
+        # scaled so that the gradient reduction (a mean over its ranks) gives the whole batch's sum
+        self.grad_scale = processes.size if self.sharded else self.world.size
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
 
     def _autocast(self) -> Any:
@@ -87,7 +123,7 @@ class Critic:
         real = len(batches) - extra_forwards
         for k, b in enumerate(batches):
             with self._autocast():
-                v = self.model(b.input_ids.to(self.device), b.position_ids.to(self.device)).float().cpu()
+                v = self.model(b.input_ids.to(self.device), b.position_ids.to(self.device), b.cu_seqlens).float().cpu()
             if k >= real:
                 continue
             for i, part in zip(b.sample_indices, b.split(v), strict=True):
@@ -102,11 +138,15 @@ class Critic:
         for k, b in enumerate(batches):
             b = b.to(self.device)
             with maybe_no_sync(self.module, sync=k == len(batches) - 1), self._autocast():
-                v = self.module(b.input_ids, b.position_ids).float()
+                v = self.module(b.input_ids, b.position_ids, b.cu_seqlens).float()
                 per_token = value_loss(v, b.fields["old_values"], b.fields["returns"], self.config.value_clip)
                 loss = (per_token * b.fields["loss_mask"]).sum() / max(num_tokens, 1)
-            (loss * self.world.size).backward()
+            (loss * self.grad_scale).backward()
             total += loss.detach().double().cpu()
+        if self.sp_groups is not None and not self.sharded:
+            from agentrl.trainers.sequence_parallel import reduce_gradients
+
+            reduce_gradients([p for p in self.model.parameters() if p.grad is not None], self.sp_groups)
         grad_norm = torch.tensor(0.0)
         if self.config.max_grad_norm is not None:
             grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))

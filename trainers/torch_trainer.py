@@ -110,6 +110,7 @@ class TorchTrainer:
         self.autocast_dtype = _autocast_dtype(self.config.dtype, self.device)
 
         self.model = self._load_policy()
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         self.reference: nn.Module | None = self._load_reference() if self.config.kl.enabled else None
         self.critic = self._load_critic() if self.config.advantage == "gae" else None
         if self.sp_groups is not None:
@@ -118,7 +119,6 @@ class TorchTrainer:
             for m in (self.model, self.reference):
                 if m is not None:
                     patch_model_for_sp(base_causal_lm(m))
-        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
 
         self.logprob_module = PackedLogprobs(
             self.model, chunk_tokens=self.config.logprob_chunk_tokens, temperature=self.config.temperature
@@ -210,15 +210,14 @@ class TorchTrainer:
             autocast_dtype=self.autocast_dtype,
             world=self.world,
             shard=self.config.data_parallel == "fsdp",
+            sp_groups=self.sp_groups,
+            processes=self.processes,
+            pad_token_id=self.pad_id,
         )
 
     def _sequence_parallel(self) -> Any:
         """SP x DP process groups for ring attention (agentrl.trainers.sequence_parallel)."""
         size = self.config.sequence_parallel_size
-        if self.config.advantage == "gae":
-            raise TrainerConfigError(
-                f"trainer.sequence_parallel_size={size} does not support advantage='gae' yet"
-            )
         try:
             from agentrl.trainers.sequence_parallel import sp_setup
         except ImportError as e:

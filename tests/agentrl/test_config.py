@@ -151,9 +151,6 @@ def test_ray_pool_replica_engine_is_checked_at_load(plugins: Plugins) -> None:
 def test_trainer_sections_that_would_be_ignored_are_errors(plugins: Plugins) -> None:
     msg = error_of(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "grpo", "critic": {}}})
     assert "trainer.critic is only used by trainer.advantage='gae' (got 'grpo')" in msg
-    msg = error_of(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "gae", "critic": {},
-                                                 "sequence_parallel_size": 2}})
-    assert "trainer.sequence_parallel_size=2 does not support advantage='gae' yet" in msg
     gae = resolve(plugins, {**BASE, "trainer": {"name": "torch", "advantage": "gae", "critic": {}}})
     assert gae.trainer.params["critic"] is not None
 

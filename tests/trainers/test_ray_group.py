@@ -176,17 +176,25 @@ def test_fsdp_ranks_step_save_and_resume_like_one_process(
         sharded.close()
 
 
-def test_fsdp_shards_the_gae_critic_and_steps_and_resumes_like_one_process(
-    group: Any, tiny_llama_path: str, build: Any, tmp_path: Path
+GAE_LAYOUTS = {
+    "fsdp": {"data_parallel": "fsdp"},  # the critic sharded like the policy
+    "sp": {"sequence_parallel_size": 2},  # each row split over both ranks for the critic too (ring attention)
+    "fsdp_sp": {"data_parallel": "fsdp", "sequence_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(GAE_LAYOUTS))
+def test_the_gae_critic_steps_and_resumes_like_one_process_when_sharded_or_split(
+    group: Any, tiny_llama_path: str, build: Any, tmp_path: Path, layout: str
 ) -> None:
-    """advantage=gae under fsdp: the critic is sharded too. Its values feed the next step's advantages, so
-    a second step equal to one process's means the sharded critic trained like one; a checkpoint (the critic
-    gathered whole, model and Adam state) resumes to the same next step."""
+    """advantage=gae under fsdp and/or SP: the critic is sharded and split like the policy. Its values feed
+    the next step's advantages, so a second step equal to one process's means the critic trained like one;
+    a checkpoint (the critic's whole model and Adam state) resumes to the same next step."""
     from agentrl.trainers.ray_group import RayTrainerGroup
     from agentrl.trainers.torch_trainer import TorchTrainer
 
-    config = dict(CONFIG, data_parallel="fsdp", advantage="gae", critic={"lr": 1e-2}, mini_batches=2)
-    sharded = RayTrainerGroup(dict(config, world_size=2, num_cpus_per_rank=0.5), tiny_llama_path)
+    config = dict(CONFIG, advantage="gae", critic={"lr": 1e-2}, mini_batches=2)
+    sharded = RayTrainerGroup(dict(config, **GAE_LAYOUTS[layout], world_size=2, num_cpus_per_rank=0.5), tiny_llama_path)
     try:
         single = TorchTrainer(config, tiny_llama_path)
         for seed in (7, 8):
