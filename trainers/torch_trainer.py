@@ -138,6 +138,17 @@ class TorchTrainer:
                 self.logprob_module = fully_shard(self.logprob_module, self.model, self.world, self.device)
         elif self.sp_groups is None:  # under SP, gradients are reduced by sequence_parallel.reduce_gradients
             self.logprob_module = wrap(self.logprob_module, self.world, self.device)
+        self.reference_module: nn.Module | None = None  # the frozen reference, sharded like the policy under FSDP
+        if self.fsdp and self.reference is not None:
+            ref: nn.Module = (
+                SequenceParallelLogprobs(self.reference, self.sp_groups, pad_token_id=self.pad_id,
+                                         chunk_tokens=self.config.logprob_chunk_tokens,
+                                         temperature=self.config.temperature)
+                if self.sp_groups is not None
+                else PackedLogprobs(self.reference, chunk_tokens=self.config.logprob_chunk_tokens,
+                                    temperature=self.config.temperature)
+            )  # fmt: skip
+            self.reference_module = fully_shard(ref, self.reference, self.processes, self.device)
         # a backward's loss is scaled so that the gradient reduction (a mean) gives the whole batch's sum
         self.grad_scale = self.processes.size if self.fsdp else self.world.size
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -233,9 +244,11 @@ class TorchTrainer:
         self, model: nn.Module, b: PackedBatch, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token logprobs of a packed micro-batch: plain/DDP, or sharded over the SP group."""
+        root = self.reference_module if model is self.reference else None  # a module FSDP must run through
         if self.sp_groups is not None:
-            if model is self.model and self.sp_module is not None:
-                sp_out: tuple[torch.Tensor, torch.Tensor | None] = self.sp_module(
+            root = self.sp_module if model is self.model else root
+            if root is not None:
+                sp_out: tuple[torch.Tensor, torch.Tensor | None] = root(
                     b.input_ids, b.position_ids, b.cu_seqlens, with_entropy=with_entropy
                 )
                 return sp_out
@@ -246,8 +259,9 @@ class TorchTrainer:
             )  # fmt: skip
         needed = b.fields["loss_mask"] > 0 if "loss_mask" in b.fields else None  # every use is masked
         shared = (b.cu_seqlens, b.families) if b.families else None
-        if model is self.model:
-            out: tuple[torch.Tensor, torch.Tensor | None] = self.logprob_module(
+        root = self.logprob_module if model is self.model else root
+        if root is not None:
+            out: tuple[torch.Tensor, torch.Tensor | None] = root(
                 b.input_ids, b.position_ids, with_entropy=with_entropy, needed=needed, shared=shared
             )
             return out
@@ -334,7 +348,7 @@ class TorchTrainer:
         model.eval()
         ctx: AbstractContextManager[Any] = model.disable_adapter() if disable_adapter else _null()  # type: ignore[operator]
         real = len(batches)
-        if model is self.model:
+        if model is self.model or (model is self.reference and self.reference_module is not None):
             batches = self._forwards(list(batches), list(batches[0].fields) if batches else ["loss_mask"],
                                      at_least_one=False)  # fmt: skip
         try:
