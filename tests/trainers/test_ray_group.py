@@ -41,6 +41,23 @@ def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         torch.testing.assert_close(got[name], w, rtol=1e-5, atol=atol, msg=lambda detail, name=name: f"{name}: {detail}")
 
 
+def _assert_resume_repeats_the_next_step(trainer: Any, ckpt: Path, build: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """save, step, load, step again: the second step lands on the same weights (every rank restored).
+
+    Returns both steps' metrics (for what the weights do not show, e.g. the critic's loss).
+    """
+    version = trainer.policy_version
+    trainer.save(str(ckpt), {"step": version})
+    first = trainer.train_step(build.groups(2, 3, seed=10))
+    after = _weights(trainer)
+    assert trainer.load(str(ckpt)) == {"step": version}
+    assert trainer.policy_version == version
+    again = trainer.train_step(build.groups(2, 3, seed=10))
+    # Adam's moments restored too: from fresh ones this step would move each weight by ~lr (1e-3)
+    _assert_same_weights(_weights(trainer), after)
+    return first, again
+
+
 VARIANTS = {
     "hf": [],  # the example's in-process engine (and LoRA, DDP): weights stream from rank 0 into it
     "ray": ["engine={name: ray, dtype: fp32, replicas: 2, num_cpus: 0.5, block_tokens: 16}"],  # and on to 2 replicas
@@ -124,15 +141,7 @@ def test_two_ranks_step_like_one_process(group: Any, tiny_llama_path: str, build
 
 
 def test_a_checkpoint_resumes_to_the_same_next_step(group: Any, tmp_path: Path, build: Any) -> None:
-    """save, step, load, step again: the second step lands on the same weights (every rank restored)."""
-    group.save(str(tmp_path / "ckpt"), {"step": 7})
-    version = group.policy_version
-    group.train_step(build.groups(2, 3, seed=11))
-    after = _weights(group)
-    assert group.load(str(tmp_path / "ckpt")) == {"step": 7}
-    assert group.policy_version == version
-    group.train_step(build.groups(2, 3, seed=11))
-    _assert_same_weights(_weights(group), after)
+    _assert_resume_repeats_the_next_step(group, tmp_path / "ckpt", build)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -205,15 +214,11 @@ def test_the_gae_critic_steps_and_resumes_like_one_process_when_sharded_or_split
         assert got["adv/abs_mean"] > 0  # the second step's advantages came through the trained critic
         _assert_same_weights(_weights(sharded), _weights(single), atol=ADAM_ROUNDING_ATOL)
 
-        sharded.save(str(tmp_path / "ckpt"), {"step": 2})
+        after, again = _assert_resume_repeats_the_next_step(sharded, tmp_path / "ckpt", build)
+        assert again["critic/loss"] == pytest.approx(after["critic/loss"], rel=1e-6)  # the critic restored too
         state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)["critic"]
         whole = {name: t.shape for name, t in single.critic.model.state_dict().items()}
         assert {name: t.shape for name, t in state["model"].items()} == whole  # gathered, not rank 0's shards
-        after = sharded.train_step(build.groups(2, 3, seed=10))
-        assert sharded.load(str(tmp_path / "ckpt")) == {"step": 2}
-        again = sharded.train_step(build.groups(2, 3, seed=10))
-        assert again["critic/loss"] == pytest.approx(after["critic/loss"], rel=1e-6)
-        assert again["loss"] == pytest.approx(after["loss"], rel=1e-6)
     finally:
         sharded.close()
 
@@ -232,13 +237,8 @@ def test_sequence_parallel_ranks_step_save_and_resume_like_one_process(
         got, want = sp.train_step(build.groups(3, 3, seed=7)), single.train_step(build.groups(3, 3, seed=7))
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
         _assert_same_weights(_weights(sp), _weights(single))
-        sp.save(str(tmp_path / "ckpt"), {"step": 1})
+        _assert_resume_repeats_the_next_step(sp, tmp_path / "ckpt", build)
         assert (tmp_path / "ckpt" / "rng_rank0.pt").is_file() and (tmp_path / "ckpt" / "rng_rank1.pt").is_file()
-        sp.train_step(build.groups(2, 3, seed=10))
-        after = _weights(sp)
-        assert sp.load(str(tmp_path / "ckpt")) == {"step": 1}
-        sp.train_step(build.groups(2, 3, seed=10))
-        _assert_same_weights(_weights(sp), after)
     finally:
         sp.close()
 
@@ -276,11 +276,7 @@ def test_combined_features_step_and_resume_like_one_process(
             assert got["kl/loss"] == pytest.approx(want["kl/loss"], rel=1e-3, abs=1e-9)
             if seed == 7:  # four Adam updates in this step: rounding grows as in the tests above
                 _assert_same_weights(_weights(sharded), _weights(single), atol=ADAM_ROUNDING_ATOL)
-        sharded.save(str(tmp_path / "ckpt"), {"step": 2})
-        after = sharded.train_step(build.groups(2, 3, seed=10))
-        assert sharded.load(str(tmp_path / "ckpt")) == {"step": 2}
-        again = sharded.train_step(build.groups(2, 3, seed=10))
-        assert again["loss"] == pytest.approx(after["loss"], rel=1e-6)
+        _assert_resume_repeats_the_next_step(sharded, tmp_path / "ckpt", build)
     finally:
         sharded.close()
 
