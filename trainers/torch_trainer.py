@@ -120,35 +120,18 @@ class TorchTrainer:
                 if m is not None:
                     patch_model_for_sp(base_causal_lm(m))
 
-        self.logprob_module = PackedLogprobs(
-            self.model, chunk_tokens=self.config.logprob_chunk_tokens, temperature=self.config.temperature
-        )
-        self.sp_module: nn.Module | None = None  # the policy's logprobs under SP
-        if self.sp_groups is not None:
-            self.sp_module = SequenceParallelLogprobs(
-                self.model, self.sp_groups, pad_token_id=self.pad_id, chunk_tokens=self.config.logprob_chunk_tokens,
-                temperature=self.config.temperature,
-            )  # fmt: skip
+        self.logprob_module = self._logprob_root(self.model)
         # FSDP shards over every process, SP ranks included; its reduce-scatter averages gradients over them all
         self.fsdp = self.config.data_parallel == "fsdp" and self.processes.size > 1
         if self.fsdp:  # parameters sharded; the root module's forward gathers the rest (distributed.fully_shard)
-            if self.sp_module is not None:
-                self.sp_module = fully_shard(self.sp_module, self.model, self.processes, self.device)
-            else:
-                self.logprob_module = fully_shard(self.logprob_module, self.model, self.world, self.device)
+            self.logprob_module = fully_shard(self.logprob_module, self.model, self.processes, self.device)
         elif self.sp_groups is None:  # under SP, gradients are reduced by sequence_parallel.reduce_gradients
             self.logprob_module = wrap(self.logprob_module, self.world, self.device)
         self.reference_module: nn.Module | None = None  # the frozen reference, sharded like the policy under FSDP
         if self.fsdp and self.reference is not None:
-            ref: nn.Module = (
-                SequenceParallelLogprobs(self.reference, self.sp_groups, pad_token_id=self.pad_id,
-                                         chunk_tokens=self.config.logprob_chunk_tokens,
-                                         temperature=self.config.temperature)
-                if self.sp_groups is not None
-                else PackedLogprobs(self.reference, chunk_tokens=self.config.logprob_chunk_tokens,
-                                    temperature=self.config.temperature)
-            )  # fmt: skip
-            self.reference_module = fully_shard(ref, self.reference, self.processes, self.device)
+            self.reference_module = fully_shard(
+                self._logprob_root(self.reference), self.reference, self.processes, self.device
+            )
         # a backward's loss is scaled so that the gradient reduction (a mean) gives the whole batch's sum
         self.grad_scale = self.processes.size if self.fsdp else self.world.size
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -226,6 +209,13 @@ class TorchTrainer:
             pad_token_id=self.pad_id,
         )
 
+    def _logprob_root(self, model: nn.Module) -> nn.Module:
+        """`model`'s logprobs as a module: split over the SP group under sequence parallelism, else packed."""
+        kwargs = {"chunk_tokens": self.config.logprob_chunk_tokens, "temperature": self.config.temperature}
+        if self.sp_groups is not None:
+            return SequenceParallelLogprobs(model, self.sp_groups, pad_token_id=self.pad_id, **kwargs)
+        return PackedLogprobs(model, **kwargs)
+
     def _sequence_parallel(self) -> Any:
         """SP x DP process groups for ring attention (agentrl.trainers.sequence_parallel)."""
         size = self.config.sequence_parallel_size
@@ -244,9 +234,9 @@ class TorchTrainer:
         self, model: nn.Module, b: PackedBatch, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token logprobs of a packed micro-batch: plain/DDP, or sharded over the SP group."""
-        root = self.reference_module if model is self.reference else None  # a module FSDP must run through
+        # the module to run through (FSDP gathers parameters in its forward); None: call the model directly
+        root = self.logprob_module if model is self.model else self.reference_module if model is self.reference else None
         if self.sp_groups is not None:
-            root = self.sp_module if model is self.model else root
             if root is not None:
                 sp_out: tuple[torch.Tensor, torch.Tensor | None] = root(
                     b.input_ids, b.position_ids, b.cu_seqlens, with_entropy=with_entropy
@@ -259,7 +249,6 @@ class TorchTrainer:
             )  # fmt: skip
         needed = b.fields["loss_mask"] > 0 if "loss_mask" in b.fields else None  # every use is masked
         shared = (b.cu_seqlens, b.families) if b.families else None
-        root = self.logprob_module if model is self.model else root
         if root is not None:
             out: tuple[torch.Tensor, torch.Tensor | None] = root(
                 b.input_ids, b.position_ids, with_entropy=with_entropy, needed=needed, shared=shared
