@@ -75,7 +75,6 @@ class RunSection(_Section):
         "0 = leave the interpreter's setting",
     )
 
-
     @model_validator(mode="after")
     def _eval_samples_can_differ(self) -> RunSection:
         if self.eval_temperature == 0.0 and self.eval_samples > 1:
@@ -84,6 +83,7 @@ class RunSection(_Section):
                 "use eval_samples: 1, or a temperature > 0 for pass@k"
             )
         return self
+
 
 class ModelSection(_Section):
     """The policy model: a local directory, a built-in alias or a hub id."""

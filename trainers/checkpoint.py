@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from agentrl.trainers.distributed import full_tensor
+from agentrl.trainers.distributed import (
+    full_tensor,
+    load_whole_model_state,
+    load_whole_optimizer_state,
+    whole_optimizer_state,
+)
 
 if TYPE_CHECKING:
     from agentrl.trainers.torch_trainer import TorchTrainer
@@ -34,7 +39,7 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     # FSDP: gathering the weights and the optimizer state are collectives, so every rank takes part
     weights = _engine_weights(trainer, keep=world.is_main) if trainer.fsdp else None
     adapter = _full_adapter_state(trainer) if trainer.fsdp and trainer.config.lora is not None else None
-    optimizer = _full_optimizer_state(trainer) if trainer.fsdp else trainer.optimizer.state_dict()
+    optimizer = whole_optimizer_state(trainer.model, trainer.optimizer) if trainer.fsdp else trainer.optimizer.state_dict()
     critic = trainer.critic.state_dict() if trainer.critic is not None else None  # sharded: gathered, every rank
     if world.is_main:
         if tmp.exists():
@@ -83,10 +88,7 @@ def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
         )
     _load_model(trainer, path)
     if trainer.fsdp:  # a full (unsharded) optimizer state: each rank keeps its shard
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))  # fmt: skip
+        load_whole_optimizer_state(trainer.model, trainer.optimizer, state["optimizer"])
     else:
         trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
@@ -159,14 +161,6 @@ def _save_state(config: Any, state: dict[str, torch.Tensor], out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def _full_optimizer_state(trainer: TorchTrainer) -> dict[str, Any]:
-    """FSDP: the whole optimizer state (by parameter name), on CPU; complete on rank 0 only."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(trainer.model, trainer.optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
-
-
 def _copy_tokenizer(src: str, out: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "vocab.json", "merges.txt", "generation_config.json"):  # fmt: skip
@@ -191,13 +185,10 @@ def _load_model(trainer: TorchTrainer, path: Path) -> None:
             set_peft_model_state_dict(trainer.model, saved)
             return
         # the file names parameters without the adapter's name; every rank keeps its shard of each
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         by_plain_name = {name.replace(".default.", "."): name for name in trainer.model.state_dict() if ".lora_" in name}
         if set(saved) != set(by_plain_name):
             raise RuntimeError(f"{adapter} does not match the model's LoRA parameters")
-        set_model_state_dict(trainer.model, {by_plain_name[k]: v for k, v in saved.items()},
-                             options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
+        load_whole_model_state(trainer.model, {by_plain_name[k]: v for k, v in saved.items()}, strict=False)
         return
     from safetensors.torch import load_file
 
@@ -205,11 +196,7 @@ def _load_model(trainer: TorchTrainer, path: Path) -> None:
     for f in sorted((path / "model").glob("*.safetensors")):
         state.update(load_file(str(f), device=str(trainer.device)))
     if trainer.fsdp:  # every rank read the full weights; each keeps its shard
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        missing, unexpected = set_model_state_dict(
-            trainer.model, state, options=StateDictOptions(full_state_dict=True, strict=False)
-        )
+        missing, unexpected = load_whole_model_state(trainer.model, state, strict=False)
     else:
         missing, unexpected = trainer.model.load_state_dict(state, strict=False)
     tied = tied_aliases(trainer.model)

@@ -17,7 +17,17 @@ from typing import Any
 
 import torch
 from agentrl.trainers.config import CriticConfig
-from agentrl.trainers.distributed import World, full_tensor, fully_shard, maybe_no_sync, wrap
+from agentrl.trainers.distributed import (
+    World,
+    full_tensor,
+    fully_shard,
+    load_whole_model_state,
+    load_whole_optimizer_state,
+    maybe_no_sync,
+    whole_model_state,
+    whole_optimizer_state,
+    wrap,
+)
 from agentrl.trainers.losses import value_loss
 from agentrl.trainers.packing import PackedBatch
 from torch import nn
@@ -158,17 +168,7 @@ class Critic:
         (a collective: every rank calls it)."""
         if not self.sharded:
             return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {
-            "model": get_model_state_dict(self.model, options=whole),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=whole),
-        }
+        return {"model": whole_model_state(self.model), "optimizer": whole_optimizer_state(self.model, self.optimizer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` gave; sharded, every rank passes the whole state and keeps its shard."""
@@ -176,12 +176,5 @@ class Critic:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        whole = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, state["model"], options=whole)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state["optimizer"], options=whole)
+        load_whole_model_state(self.model, state["model"])
+        load_whole_optimizer_state(self.model, self.optimizer, state["optimizer"])

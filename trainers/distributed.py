@@ -94,6 +94,34 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return gather() if gather is not None else t
 
 
+def whole_model_state(model: nn.Module) -> dict[str, Any]:
+    """FSDP: `model`'s state gathered whole on CPU, complete on rank 0 only (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def whole_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """FSDP: the optimizer state by parameter name, gathered like `whole_model_state`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_whole_model_state(model: nn.Module, state: dict[str, Any], *, strict: bool = True) -> Any:
+    """FSDP: every rank passes the whole state and keeps its shard; returns (missing, unexpected) keys."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def load_whole_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """FSDP: restore what `whole_optimizer_state` gave; every rank keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
 def matched(batches: list[Any], world: World, dummy: Callable[[], Any]) -> list[Any]:
     """`batches` padded with `dummy()` batches to the largest count on any rank.
 
