@@ -33,8 +33,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from agentrl.trainers.advantages import compute_advantages
 
+from agentrl.trainers.advantages import compute_advantages
 from agentrl.types import TrainSample
 
 R_STOP = 0.3

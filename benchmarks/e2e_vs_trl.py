@@ -53,9 +53,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from agentrl.trainers.config import TrainerConfig  # pydantic only, no torch
-
 from agentrl.config import RunConfig, load_config
+from agentrl.trainers.config import TrainerConfig  # pydantic only, no torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "calculator.yaml"

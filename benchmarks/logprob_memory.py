@@ -48,8 +48,9 @@ def _hwm_kb() -> int:
 
 def child(variant: str, tokens: int, vocab: int, hidden: int, chunk: int) -> dict[str, float | str]:
     import torch
-    from agentrl.trainers.logprobs import chunked_logprobs
     from torch import nn
+
+    from agentrl.trainers.logprobs import chunked_logprobs
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

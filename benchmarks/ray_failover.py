@@ -64,12 +64,12 @@ class Load:
 
 async def run(args: argparse.Namespace) -> None:
     import ray
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
     from hf_engine import prompts
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.engines.models import resolve_model
     from agentrl.engines.ray_pool import RayEnginePool, ReplicaSpec
+    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 
     path = resolve_model(args.model)
     pool = RayEnginePool(RayEnginePool.Config(

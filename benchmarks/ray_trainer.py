@@ -85,6 +85,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+
     from agentrl.trainers.ray_group import RayTrainerGroup
     from agentrl.trainers.torch_trainer import TorchTrainer
 

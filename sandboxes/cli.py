@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 
 from agentrl.errors import AgentrlError
+from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 
 BACKENDS = ("local", "docker", "e2b", "sandboxfusion")
 

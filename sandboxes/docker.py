@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ConfigDict, Field
+
 from agentrl.sandboxes.base import (
     BaseSandbox,
     ExecRequest,
@@ -44,7 +46,6 @@ from agentrl.sandboxes.base import (
     sandbox_error,
 )
 from agentrl.sandboxes.local import SANDBOX_ENV, server_message, server_result
-from pydantic import ConfigDict, Field
 
 _SERVER_SRC = Path(__file__).with_name("_forkserver.py").read_text()
 _HDR = struct.Struct(">I")

@@ -24,6 +24,8 @@ import json
 import time
 from typing import Any
 
+from pydantic import ConfigDict, Field
+
 from agentrl.sandboxes.base import (
     BaseSandbox,
     ExecRequest,
@@ -33,7 +35,6 @@ from agentrl.sandboxes.base import (
     decode_capped,
     sandbox_error,
 )
-from pydantic import ConfigDict, Field
 
 RESULT_MARK = "__agentrl_result__ "
 

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ConfigDict, Field
+
 from agentrl.sandboxes.base import (
     BaseSandbox,
     ExecRequest,
@@ -44,7 +46,6 @@ from agentrl.sandboxes.base import (
     decode_capped,
     sandbox_error,
 )
-from pydantic import ConfigDict, Field
 
 log = logging.getLogger(__name__)
 _HDR = struct.Struct(">I")

@@ -13,6 +13,8 @@ import base64
 import time
 from typing import Any
 
+from pydantic import ConfigDict, Field
+
 from agentrl.sandboxes.base import (
     BaseSandbox,
     ExecRequest,
@@ -21,7 +23,6 @@ from agentrl.sandboxes.base import (
     QueueConfig,
     sandbox_error,
 )
-from pydantic import ConfigDict, Field
 
 
 class SandboxFusionConfig(QueueConfig):

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from agentrl.trainers import turn_credit
 
+from agentrl.trainers import turn_credit
 from agentrl.types import TrainSample
 
 

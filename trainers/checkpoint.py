@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from agentrl.trainers.distributed import (
     full_tensor,
     load_whole_model_state,

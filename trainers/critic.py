@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+
 from agentrl.trainers.config import CriticConfig
 from agentrl.trainers.distributed import (
     World,
@@ -30,7 +32,6 @@ from agentrl.trainers.distributed import (
 )
 from agentrl.trainers.losses import value_loss
 from agentrl.trainers.packing import PackedBatch
-from torch import nn
 
 
 class ValueModel(nn.Module):

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from agentrl.trainers.shared_prefix import shared_prefix_hidden
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from agentrl.trainers.shared_prefix import shared_prefix_hidden
 
 
 def base_causal_lm(model: nn.Module) -> Any:

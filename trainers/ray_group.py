@@ -37,11 +37,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
-from agentrl.trainers.config import TrainerConfig
 from pydantic import Field, model_validator
 
 from agentrl.errors import AgentrlError
 from agentrl.ray_runtime import actor_died, require_free, start_or_join
+from agentrl.trainers.config import TrainerConfig
 from agentrl.types import Group, TrainSample
 
 
@@ -122,6 +122,7 @@ class _Rank:
         """Join the process group and build the trainer; returns its policy version."""
         import torch
         import torch.distributed as dist
+
         from agentrl.trainers.torch_trainer import TorchTrainer
 
         torch.set_num_threads(threads)

@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from agentrl.trainers.ring_attention import Backend, ZigzagLayout, ring_attention
 from torch import Tensor
+
+from agentrl.trainers.ring_attention import Backend, ZigzagLayout, ring_attention
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from agentrl.trainers.packing import SHARED_PREFIX_KWARG, plan_micro_batches
 from torch import nn
+
+from agentrl.trainers.packing import SHARED_PREFIX_KWARG, plan_micro_batches
 
 
 @dataclass(frozen=True, slots=True)

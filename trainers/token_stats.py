@@ -15,8 +15,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-from agentrl.trainers.packing import PackedBatch
 
+from agentrl.trainers.packing import PackedBatch
 from agentrl.types import JSON, Trajectory
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from agentrl.trainers.config import TrainerConfig
 from agentrl.trainers.distributed import (
     World,
@@ -62,8 +64,6 @@ from agentrl.trainers.packing import PackedBatch, pack, pack_all, padding_stats,
 from agentrl.trainers.shared_prefix import Family, find_families, layout_cost, plan_families
 from agentrl.trainers.token_stats import TokenStatsRecorder
 from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
-from torch import nn
-
 from agentrl.types import Group, TrainSample
 
 

@@ -29,11 +29,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentrl.registry import check_named_plugin
 from agentrl.rewards import RewardResult
+from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 from agentrl.types import Message
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)

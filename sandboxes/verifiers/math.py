@@ -22,10 +22,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.rewards import RewardResult
+from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
 from agentrl.types import Message
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")

@@ -56,8 +56,9 @@ def test_trl_prompts_are_token_identical_to_agentrl(
     bench: ModuleType, smollm2_path: str, tools_in_prompt: bool
 ) -> None:
     pytest.importorskip("trl")
-    from agentrl.envs.calculator import calculator
     from transformers import AutoTokenizer
+
+    from agentrl.envs.calculator import calculator
 
     overrides = [
         f"model.path={smollm2_path}",
@@ -78,12 +79,12 @@ def test_trl_prompts_are_token_identical_to_agentrl(
 @pytest.mark.model
 def test_trl_tool_turn_matches_agentrl_conversation(bench: ModuleType, smollm2_path: str) -> None:
     pytest.importorskip("trl")
-    from agentrl.envs.calculator import calculator
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response, qwen3_template
 
     from agentrl.chat import Conversation, HFChatTokenizer
+    from agentrl.envs.calculator import calculator
     from agentrl.types import Completion, Message, ToolCall
 
     config = bench.load_workload(bench.parse_args([f"model.path={smollm2_path}"]))

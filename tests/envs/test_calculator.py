@@ -7,6 +7,9 @@ import re
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
+
+from agentrl.chat import Conversation, SimpleChatTokenizer, hermes_content
 from agentrl.envs.calculator import (
     CALCULATOR,
     CalculatorConfig,
@@ -16,9 +19,6 @@ from agentrl.envs.calculator import (
     evaluate,
     extract_answer,
 )
-from pydantic import ValidationError
-
-from agentrl.chat import Conversation, SimpleChatTokenizer, hermes_content
 from agentrl.types import Completion, Message, ToolCall
 
 

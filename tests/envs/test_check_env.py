@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from agentrl.env import Env, Task
 from agentrl.envs.code_env import CodeEnv
 from agentrl.envs.dataset_env import DatasetEnv
 from agentrl.envs.gym_text import GymTextEnv
 from agentrl.envs.math_env import MathEnv
 from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
-
-from agentrl.env import Env, Task
 from agentrl.rewards import RewardResult
 from agentrl.testing import acheck_env
 from agentrl.types import Message
@@ -69,7 +69,6 @@ async def test_code_env_passes_check_env(local_sandbox: Any) -> None:
 async def test_installed_entry_points_build_envs_that_pass_with_their_default_rewards(tmp_path: Path) -> None:
     """By name through the registry, as `agentrl train`/`check-env` do: real verifier, real sandbox."""
     from agentrl.envs.shared import shared_objects
-
     from agentrl.registry import Plugins
 
     plugins = Plugins.discover()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from agentrl.envs.code_env import CodeEnv, extract_program, load_problems, outputs_match
 
+from agentrl.envs.code_env import CodeEnv, extract_program, load_problems, outputs_match
 from agentrl.types import Message
 
 

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from agentrl.envs.dataset_env import DatasetEnv
 from pydantic import ValidationError
 
 from agentrl.env import Task
+from agentrl.envs.dataset_env import DatasetEnv
 from agentrl.rewards import RewardResult
 from agentrl.types import Message
 

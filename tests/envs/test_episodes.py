@@ -6,14 +6,13 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agentrl.chat import SimpleChatTokenizer
+from agentrl.engines.scripted import ScriptedEngine
+from agentrl.env import Env, Task
 from agentrl.envs.code_env import CodeEnv
 from agentrl.envs.gym_text import GymTextEnv
 from agentrl.envs.math_env import MathEnv
 from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
-
-from agentrl.chat import SimpleChatTokenizer
-from agentrl.engines.scripted import ScriptedEngine
-from agentrl.env import Env, Task
 from agentrl.rewards import RewardResult
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import run_episode

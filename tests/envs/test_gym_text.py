@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from agentrl.envs.gym_text import GymTextEnv
 
+from agentrl.envs.gym_text import GymTextEnv
 from agentrl.types import Message
 
 

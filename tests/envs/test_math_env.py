@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentrl.envs.math_env import MathEnv
 from pydantic import ValidationError
 
 from agentrl.env import Task
+from agentrl.envs.math_env import MathEnv
 from agentrl.rewards import RewardResult
 from agentrl.types import Message
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from agentrl.envs.mixture import MixEnv, interleave
 
 from agentrl.chat import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
+from agentrl.envs.mixture import MixEnv, interleave
 from agentrl.errors import ConfigError
 from agentrl.evaluation import EvalResult, reward_by_env
 from agentrl.registry import Plugins

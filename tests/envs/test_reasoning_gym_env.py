@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
 from pydantic import ValidationError
 
+from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
 from agentrl.types import Message
 
 

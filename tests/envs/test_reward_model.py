@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentrl.envs.reward_model import RewardModelReward
 
 from agentrl.env import Task
+from agentrl.envs.reward_model import RewardModelReward
 from agentrl.rewards import RewardResult, weighted
 from agentrl.types import Message
 

@@ -6,11 +6,11 @@ import types
 from collections.abc import Sequence
 
 import pytest
-from agentrl.envs.reward_specs import RewardSpec, build_rewards, score_all
 from pydantic import BaseModel, ConfigDict
 
 import agentrl
 from agentrl.env import Task
+from agentrl.envs.reward_specs import RewardSpec, build_rewards, score_all
 from agentrl.errors import ConfigError, PluginError
 from agentrl.rewards import RewardResult
 from agentrl.types import Message

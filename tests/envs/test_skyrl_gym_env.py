@@ -9,10 +9,9 @@ import pytest
 
 pytest.importorskip("skyrl_gym")
 
-from agentrl.envs.skyrl_gym_env import SkyRLGymEnv
-
 from agentrl.chat import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
+from agentrl.envs.skyrl_gym_env import SkyRLGymEnv
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import run_episode
 from agentrl.testing import check_env

@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from agentrl.envs.code_env import CodeEnv
-from agentrl.envs.dataset_env import DatasetEnv
-from agentrl.envs.math_env import MathEnv
-from agentrl.envs.shared import shared_objects
 
 import agentrl
 from agentrl.chat import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
+from agentrl.envs.code_env import CodeEnv
+from agentrl.envs.dataset_env import DatasetEnv
+from agentrl.envs.math_env import MathEnv
+from agentrl.envs.shared import shared_objects
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import run_episode
 from agentrl.types import Trajectory

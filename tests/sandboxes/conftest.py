@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from agentrl.sandboxes.base import ExecRequest
 
 DOCKER_ENV_FILE = Path("/run/agentrl/docker.env")
@@ -123,8 +124,9 @@ class ServerThread:
 
 
 async def _local_backed_app(routes: Callable[[Any, Any], None]) -> Any:
-    from agentrl.sandboxes.local import LocalConfig, LocalSandbox
     from aiohttp import web
+
+    from agentrl.sandboxes.local import LocalConfig, LocalSandbox
 
     app = web.Application(client_max_size=256 << 20)
     state: dict[str, Any] = {}

@@ -7,6 +7,7 @@ import socket
 from typing import Any
 
 import pytest
+
 from agentrl.sandboxes.base import ExecRequest
 
 

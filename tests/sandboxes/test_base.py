@@ -6,6 +6,8 @@ import asyncio
 import base64
 
 import pytest
+from pydantic import ValidationError
+
 from agentrl.sandboxes.base import (
     ConcurrencyLimiter,
     ExecRequest,
@@ -14,7 +16,6 @@ from agentrl.sandboxes.base import (
     LimitedSandbox,
     Sandbox,
 )
-from pydantic import ValidationError
 
 
 def test_request_validation_names_the_problem() -> None:

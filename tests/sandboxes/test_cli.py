@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import typer
-from agentrl.sandboxes.cli import register
 from typer.testing import CliRunner
+
+from agentrl.sandboxes.cli import register
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
+
 from agentrl.sandboxes.base import ExecRequest
 
 BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker),

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+
 from agentrl.sandboxes.base import ExecRequest, ExecResult
 
 pytestmark = [pytest.mark.hazard, pytest.mark.asyncio(loop_scope="module")]

@@ -9,6 +9,7 @@ import shutil
 import signal
 
 import pytest
+
 from agentrl.sandboxes.base import ExecRequest
 from agentrl.sandboxes.local import LocalConfig, LocalSandbox
 

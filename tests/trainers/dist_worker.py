@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import random_groups
+
 from agentrl.trainers.distributed import full_tensor, init_from_env
 from agentrl.trainers.torch_trainer import TorchTrainer
-from conftest import random_groups
 
 
 def main() -> None:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from agentrl.trainers.advantages import compute_advantages, gae, token_rewards, turn_returns
 
+from agentrl.trainers.advantages import compute_advantages, gae, token_rewards, turn_returns
 from agentrl.types import TrainSample
 
 

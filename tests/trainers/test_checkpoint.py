@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from agentrl.trainers.torch_trainer import TorchTrainer
 
 CFG: dict[str, Any] = {"dtype": "fp32", "lr": 1e-2, "warmup_steps": 1, "schedule": "linear", "total_steps": 5}

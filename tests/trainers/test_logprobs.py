@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agentrl.trainers.logprobs import chunked_logprobs, token_logprobs_from_logits
 from torch import nn
+
+from agentrl.trainers.logprobs import chunked_logprobs, token_logprobs_from_logits
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -49,8 +50,9 @@ def test_no_grad_path_and_without_entropy() -> None:
 
 def test_scoring_only_needed_positions_matches_the_full_row(tiny_llama_path: str) -> None:
     """Loss-token-only scoring: same logprobs/entropy there, zeros elsewhere, same gradients."""
-    from agentrl.trainers.logprobs import packed_logprobs
     from transformers import AutoModelForCausalLM
+
+    from agentrl.trainers.logprobs import packed_logprobs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, torch_dtype=torch.float64)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from agentrl.trainers.losses import (
     PolicyLossInputs,
     aggregate,

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
 
 MODES = ["none", "tis", "mis_token", "mis_seq", "decoupled"]

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from agentrl.trainers.logprobs import packed_logprobs, token_logprobs_from_logits
 from agentrl.trainers.packing import (
     PACKED_ATTENTION,

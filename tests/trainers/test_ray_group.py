@@ -304,6 +304,7 @@ def test_an_engine_pool_that_does_not_fit_beside_the_group_fails_at_once(group: 
 def test_a_dead_rank_fails_the_step_with_its_name_and_closes_the_group(group: Any, build: Any) -> None:
     """Rank 1 is killed: the step fails at once (rank 0 would wait in a collective forever), and stays failed."""
     import ray
+
     from agentrl.trainers.ray_group import TrainerGroupError
 
     ray.kill(group._ranks[1])

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from agentrl.trainers.ring_attention import ZigzagLayout, reference_attention, ring_attention
 
 sys.path.insert(0, str(Path(__file__).parent))

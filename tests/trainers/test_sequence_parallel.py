@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from agentrl.trainers.sequence_parallel import (
     ATTN_IMPLEMENTATION,
     SPGroups,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agentrl.trainers.logprobs import base_causal_lm, packed_logprobs
 from agentrl.trainers.packing import pack, use_packed_attention
 from agentrl.trainers.shared_prefix import (

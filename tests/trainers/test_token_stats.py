@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from agentrl.trainers.torch_trainer import TorchTrainer
 
+from agentrl.trainers.torch_trainer import TorchTrainer
 from agentrl.types import Group, Trajectory
 
 FIELDS = ("trainer_logprobs", "advantages", "is_weights", "is_mask")

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from agentrl.trainers.config import TrainerConfig
 from agentrl.trainers.torch_trainer import TorchTrainer
-
 from agentrl.types import Group
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agentrl.trainers.advantages import compute_advantages
-from agentrl.trainers.config import TrainerConfig
 from pydantic import ValidationError
 
+from agentrl.trainers.advantages import compute_advantages
+from agentrl.trainers.config import TrainerConfig
 from agentrl.types import Message, TrainSample, Trajectory, Turn
 
 

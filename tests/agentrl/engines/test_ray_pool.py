@@ -98,6 +98,7 @@ async def test_a_dead_replica_is_routed_around_then_restarted_with_the_current_w
     pool: Any, tiny_llama_path: str
 ) -> None:
     import ray
+
     from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 
     current = load_model(tiny_llama_path, seed=4)

@@ -221,9 +221,8 @@ async def test_stats_report_what_vllms_scheduler_saw(engine: Any) -> None:
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_vllm_replica_in_a_ray_pool(tiny_llama64_path: str) -> None:
     """vLLM inside a Ray actor (the OpenRLHF layout): exact logprobs, and weights through the object store."""
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
-
     from agentrl.engines.ray_pool import RayEnginePool, ReplicaSpec
+    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 
     pool = RayEnginePool(RayEnginePool.Config(
         model=tiny_llama64_path, dtype="fp32", replicas=1, num_cpus=0,

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from agentrl.sandboxes.local import LocalConfig, LocalSandbox
-from agentrl.sandboxes.verifiers.code import CodeConfig, CodeVerifier, extract_code
 
 from agentrl.rewards import Reward
+from agentrl.sandboxes.local import LocalConfig, LocalSandbox
+from agentrl.sandboxes.verifiers.code import CodeConfig, CodeVerifier, extract_code
 from agentrl.types import Message
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")

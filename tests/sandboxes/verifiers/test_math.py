@@ -7,10 +7,10 @@ import threading
 import time
 
 import pytest
-from agentrl.sandboxes.verifiers.math import MathConfig, MathVerifier, extract_answer, last_boxed
-from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
 
 from agentrl.rewards import Reward
+from agentrl.sandboxes.verifiers.math import MathConfig, MathVerifier, extract_answer, last_boxed
+from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
 from agentrl.types import Message
 
 
