@@ -1,0 +1,68 @@
+"""The trainer contract: what a run asks of a trainer backend (torch-free).
+
+`agentrl train` drives a trainer through these calls, whatever runs behind
+them (the `torch` trainer in this process, the `ray` group of ranks):
+
+- `train_step(groups)`: one RL update on a batch of finished groups. It returns
+  the step's metrics and, per trajectory, the per-token trainer values the
+  replay token view shows (`TokenStats`); the caller stores them, the trainer
+  never writes into the trajectories it was given.
+- `sft_step(samples)`: one supervised update (warm start).
+- `state_for_engines()`: the current weights for `InferenceEngine.update_weights`.
+- `save(path, extra_state)` / `load(path)`: a checkpoint; `load` returns the
+  `extra_state` it was saved with (the loop keeps its step there).
+- `policy_version`: how many updates the weights have had; every update
+  (RL or SFT) adds one, and engines serve weights under this number.
+- `close()`: end what the trainer runs besides this process (ray ranks).
+
+The implementations live in `agentrl.trainers` (torch); this module only names
+the shape, so the core can type `Parts.trainer` without importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from agentrl.engines.base import WeightSource
+from agentrl.types import JSON, Group, TrainSample
+
+TokenStats = dict[str, list[JSON]]
+"""Per-token trainer values of one trajectory, each list aligned with its `token_ids`.
+
+Keys: `trainer_logprobs`, `advantages`, `is_weights`, `is_mask` (None off the
+loss mask). Stored as `Trajectory.info["token_stats"]` (docs/replay.md).
+"""
+
+
+@dataclass(slots=True)
+class TrainStepResult:
+    """What one `train_step` hands back: metrics, and token stats by trajectory id.
+
+    `token_stats` holds the trajectories the step recorded (all of them with
+    `trainer.record_token_stats`, none without).
+    """
+
+    metrics: dict[str, float]
+    token_stats: dict[str, TokenStats] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """A trainer backend (see the module docstring for what each call does)."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def train_step(self, groups: Sequence[Group]) -> TrainStepResult: ...
+
+    def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]: ...
+
+    def state_for_engines(self) -> WeightSource: ...
+
+    def save(self, path: str, extra_state: Mapping[str, JSON] | None = None) -> None: ...
+
+    def load(self, path: str) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
