@@ -351,4 +351,5 @@ async def run_episode(
         seed=seed,
         task=dict(task),
         metrics=metrics,
+        prompt_messages=len(opening),
     )

@@ -243,6 +243,11 @@ class Trajectory:
     info: dict[str, JSON] = field(default_factory=dict)
     id: str = field(default_factory=new_id)
     schema_version: int = SCHEMA_VERSION
+    prompt_messages: int | None = None
+    """How many leading `messages` were the prompt the episode started from (the env's
+    opening: system prompt, few-shot demonstrations, the task); the rest are the episode's
+    own turns and replies. None when not recorded (older trajectories): readers infer it
+    (`agentrl.store_summary.prompt_length`)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -337,6 +342,7 @@ class Trajectory:
             "error": self.error.to_dict() if self.error else None,
             "metrics": {k: _float_to_json(v) for k, v in self.metrics.items()},
             "info": self.info,
+            "prompt_messages": self.prompt_messages,
         }
 
     @classmethod
@@ -369,6 +375,7 @@ class Trajectory:
             error=EpisodeError.from_dict(d["error"]) if d.get("error") else None,
             metrics={k: _float_from_json(v) for k, v in d.get("metrics", {}).items()},
             info=dict(d.get("info", {})),
+            prompt_messages=d.get("prompt_messages"),
         )
 
 
