@@ -13,7 +13,7 @@ import hashlib
 import math
 import os
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any, Literal
@@ -125,12 +125,10 @@ class Completion:
     engine actually sampled from; `versions[i]` the policy version that produced it.
     """
 
-    prompt_ids: list[int]
     ids: list[int]
     logprobs: list[float]
     versions: list[int]
     finish_reason: FinishReason
-    text: str = ""
 
     def __post_init__(self) -> None:
         if not (len(self.ids) == len(self.logprobs) == len(self.versions)):
@@ -424,8 +422,3 @@ def _float_to_json(x: float) -> JSON:
 
 def _float_from_json(x: JSON) -> float:
     return float(x)
-
-
-def rewards_of(groups: Sequence[Group]) -> list[float]:
-    """All trajectory rewards of a batch of groups, in order."""
-    return [r for g in groups for r in g.rewards]

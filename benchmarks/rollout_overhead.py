@@ -141,7 +141,7 @@ class _FreeEngine:
 
     def __init__(self, tok: SimpleChatTokenizer) -> None:
         ids = [*tok.encode("Fine."), tok.eos_ids[0]]
-        self._completion = Completion([], ids, [-1.0] * len(ids), [0] * len(ids), "stop")
+        self._completion = Completion(ids, [-1.0] * len(ids), [0] * len(ids), "stop")
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
         return self._completion

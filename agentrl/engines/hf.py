@@ -42,7 +42,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from pydantic import Field
@@ -53,10 +53,6 @@ from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
 from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
 from agentrl.types import Completion, FinishReason
-
-
-class _Decoder(Protocol):
-    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass(eq=False)
@@ -391,8 +387,7 @@ class HFEngine:
             else:
                 if self._prefix.enabled:  # the last sampled id is not in the cache yet
                     self._remember(batch, i, req.prompt + req.ids[:-1], req.epoch)
-                text = self.tokenizer.decode(req.ids)
-                done.append((req, Completion(req.prompt, req.ids, req.logprobs, req.versions, reason, text=text)))
+                done.append((req, Completion(req.ids, req.logprobs, req.versions, reason)))
         if len(keep) == len(batch.rows):
             return batch
         kept = _select(batch, keep) if keep else None

@@ -20,23 +20,13 @@ import bisect
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentrl.chat import ChatTokenizer
 from agentrl.engines.base import EngineHealth, Sampling, WeightSource
 from agentrl.types import Completion, FinishReason
-
-
-class ChatTokenizerLike(Protocol):
-    """What the scripted engine needs from a tokenizer (a subset of agentrl.chat.ChatTokenizer)."""
-
-    @property
-    def eos_ids(self) -> tuple[int, ...]: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 class Distribution(BaseModel):
@@ -104,7 +94,7 @@ class ScriptedEngine:
         self,
         config: ScriptedEngine.Config | None = None,
         *,
-        tokenizer: ChatTokenizerLike | None = None,
+        tokenizer: ChatTokenizer | None = None,
         reply_fn: Callable[[str], str] | None = None,
     ) -> None:
         self.config = config if config is not None else self.Config()
@@ -135,7 +125,7 @@ class ScriptedEngine:
 
     @classmethod
     def from_config(
-        cls, config: ScriptedEngine.Config | dict[str, object], *, tokenizer: ChatTokenizerLike | None = None
+        cls, config: ScriptedEngine.Config | dict[str, object], *, tokenizer: ChatTokenizer | None = None
     ) -> ScriptedEngine:
         cfg = config if isinstance(config, cls.Config) else cls.Config.model_validate(config)
         return cls(cfg, tokenizer=tokenizer)
@@ -153,7 +143,7 @@ class ScriptedEngine:
         if self._zero_latency:  # no awaits at all (the rollout-overhead benchmark)
             n = len(ids)
             self.tokens_generated += n
-            return Completion(list(prompt_ids), ids, [cfg.logprob] * n, [self.policy_version] * n, finish)
+            return Completion(ids, [cfg.logprob] * n, [self.policy_version] * n, finish)
         if self._slots is not None:
             await self._slots.acquire()
         try:
@@ -167,7 +157,7 @@ class ScriptedEngine:
             if self._slots is not None:
                 self._slots.release()
         self.tokens_generated += len(ids)
-        return Completion(list(prompt_ids), ids, [cfg.logprob] * len(ids), versions, finish)
+        return Completion(ids, [cfg.logprob] * len(ids), versions, finish)
 
     def _reply_ids(self, prompt_ids: Sequence[int], sampling: Sampling) -> tuple[list[int], FinishReason]:
         cfg = self.config

@@ -193,7 +193,7 @@ class VLLMEngine:
         for span in out.weight_versions or ():
             versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
         self.tokens_generated += len(ids)
-        return Completion(prompt, ids, logprobs, versions, reason, text=out.text or "")
+        return Completion(ids, logprobs, versions, reason)
 
     # -- weights, health, lifecycle -------------------------------------------------------------
 

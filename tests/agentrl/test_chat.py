@@ -50,7 +50,7 @@ def sample(
     """A fake engine completion: `text` encoded, optionally followed by an end-of-turn id."""
     ids = conv.tokenizer.encode(text) + ([end] if end is not None else [])
     n = len(ids)
-    return Completion(list(conv.prompt_ids), ids, [-0.1 * (i + 1) for i in range(n)], [version] * n, finish)  # type: ignore[arg-type]
+    return Completion(ids, [-0.1 * (i + 1) for i in range(n)], [version] * n, finish)  # type: ignore[arg-type]
 
 
 def call_message(expr: str, call_id: str = "c1", content: str = "") -> Message:

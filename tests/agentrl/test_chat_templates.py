@@ -284,7 +284,7 @@ def model_reply(tok: HFChatTokenizer, conv: Conversation, message: Message, *, e
     if ending == "eos":
         assert ids[-1] == tok.eos_ids[0]
     n = len(ids)
-    return Completion(list(conv.prompt_ids), ids, [-0.5] * n, [7] * n, "stop")
+    return Completion(ids, [-0.5] * n, [7] * n, "stop")
 
 
 def run_script(
@@ -414,7 +414,7 @@ def test_think_stripping_template_keeps_sampled_reasoning(smol_tokenizer: Any) -
     reply = Message("assistant", "<think>\nadd them\n</think>\n\nAnswer: 4")
     sampled_text = reply.content + "<|im_end|>"
     ids = tok.encode(sampled_text)
-    conv.add_completion(Completion([], ids, [0.0] * len(ids), [1] * len(ids), "stop"), reply)
+    conv.add_completion(Completion(ids, [0.0] * len(ids), [1] * len(ids), "stop"), reply)
     assert conv.add_messages([Message("user", "and 3+3?")])
     text = tok.decode(conv.token_ids)
     # the sampled reasoning stays in the training ids, and the delta is clean

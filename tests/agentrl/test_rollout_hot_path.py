@@ -195,7 +195,7 @@ def test_simple_encode_of_long_texts_and_cache_copies() -> None:
 
 def _completion(tok: SimpleChatTokenizer, text: str, *, eos: bool = True) -> Completion:
     ids = tok.encode(text) + ([tok.im_end_id] if eos else [])
-    return Completion([], ids, [-0.5] * len(ids), [3] * len(ids), "stop" if eos else "length")
+    return Completion(ids, [-0.5] * len(ids), [3] * len(ids), "stop" if eos else "length")
 
 
 def _play(tok: SimpleChatTokenizer, replies: list[tuple[str, bool]], env_texts: list[str]) -> Conversation:
@@ -237,7 +237,7 @@ def test_memoised_closing_remainder(sampled: list[int]) -> None:
     tok = SimpleChatTokenizer()
     conv = Conversation(tok, [Message(role="user", content="go")])
     closing = conv._template_facts().closing
-    completion = Completion([], sampled, [0.0] * len(sampled), [0] * len(sampled), "length")
+    completion = Completion(sampled, [0.0] * len(sampled), [0] * len(sampled), "length")
     conv.add_completion(completion, Message(role="assistant", content=""))
     assert conv._pending_close == closing_remainder(sampled, closing, tok.eos_ids)
     again = Conversation(tok, [Message(role="user", content="go")])
@@ -258,7 +258,7 @@ async def test_run_episode_trajectory_equals_the_conversation_built_by_hand() ->
     conv = Conversation(tok, [Message(role="user", content="go")])
     for i in range(3):
         ids = [*tok.encode("Fine."), tok.im_end_id]
-        conv.add_completion(Completion([], ids, [-1.0] * 6, [0] * 6, "stop"), Message(role="assistant", content="Fine."))
+        conv.add_completion(Completion(ids, [-1.0] * 6, [0] * 6, "stop"), Message(role="assistant", content="Fine."))
         if i < 2:
             assert conv.add_messages([Message(role="user", content="ok")])
     expected = conv.to_trajectory(task_id="a", env="trivial")

@@ -57,7 +57,7 @@ def test_per_token_lists_must_align() -> None:
         Trajectory(task_id="t", env="e", messages=[], token_ids=[1, 2], loss_mask=[1], logprobs=[0.0, 0.0],
                    versions=[0, 0])  # fmt: skip
     with pytest.raises(ValueError, match="lengths differ"):
-        Completion(prompt_ids=[1], ids=[2, 3], logprobs=[-0.1], versions=[0, 0], finish_reason="stop")
+        Completion(ids=[2, 3], logprobs=[-0.1], versions=[0, 0], finish_reason="stop")
 
 
 def test_tokens_give_the_trainer_exactly_the_sampled_view() -> None:

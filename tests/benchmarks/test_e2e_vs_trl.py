@@ -110,7 +110,7 @@ def test_trl_tool_turn_matches_agentrl_conversation(bench: ModuleType, smollm2_p
     assert conv.prompt_ids == prompt.agentrl_ids
     call = ToolCall("calculator", {"expression": "12 + 7"}, id="c0")
     conv.add_completion(
-        Completion(conv.prompt_ids, ids, [0.0] * len(ids), [0] * len(ids), "stop"),
+        Completion(ids, [0.0] * len(ids), [0] * len(ids), "stop"),
         Message("assistant", "", tool_calls=[call]),
     )
     assert conv.add_messages([Message("tool", "19", tool_call_id="c0", name="calculator")])

@@ -168,7 +168,7 @@ async def play(
     results = []
     for text in replies:
         ids = [*tok.encode(text), tok.im_end_id]
-        completion = Completion(list(conv.prompt_ids), ids, [-1.0] * len(ids), [0] * len(ids), "stop")
+        completion = Completion(ids, [-1.0] * len(ids), [0] * len(ids), "stop")
         action = env.parse_action(text)
         conv.add_completion(completion, action)
         result = await env.step(action)

@@ -57,7 +57,7 @@ async def test_logprobs_match_a_forward_pass(engine: HFEngine) -> None:
     outs = await staggered(engine, ps, samplings)
     worst = 0.0
     for p, kw, out in zip(ps, settings, outs, strict=True):
-        assert len(out.ids) >= 1 and out.prompt_ids == p
+        assert len(out.ids) >= 1
         ref = reference_logprobs(engine.model, p, out.ids, **kw)  # type: ignore[arg-type]
         assert torch.isfinite(ref).all(), "a sampled token lies outside the filtered distribution"
         worst = max(worst, float((ref - torch.tensor(out.logprobs)).abs().max()))
@@ -80,7 +80,6 @@ async def test_temperature_zero_equals_hf_generate_greedy(engine: HFEngine) -> N
             ref = engine.model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :]
         assert out.ids == ref.tolist()[: len(out.ids)]
         assert out.finish_reason == ("stop" if out.ids[-1] == engine.model.generation_config.eos_token_id else "length")
-        assert out.text == engine.tokenizer.decode(out.ids)
 
 
 async def test_stop_strings_and_stop_ids(engine: HFEngine) -> None:

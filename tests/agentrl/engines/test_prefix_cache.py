@@ -51,8 +51,8 @@ def forward_logprobs(model: Any, prompt: Sequence[int], ids: Sequence[int]) -> A
     return logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
 
 
-def assert_exact(eng: HFEngine, out: Any) -> None:
-    ref = forward_logprobs(eng.model, out.prompt_ids, out.ids)
+def assert_exact(eng: HFEngine, prompt: list[int], out: Any) -> None:
+    ref = forward_logprobs(eng.model, prompt, out.ids)
     assert float((ref - torch.tensor(out.logprobs)).abs().max()) < 1e-4
 
 
@@ -98,7 +98,7 @@ async def test_multi_turn_chain_reuses_the_previous_turn(pair: tuple[HFEngine, H
         b = await plain.generate(prompt, GREEDY)
         after = await detail(cached)
         assert_same(a, b)
-        assert_exact(cached, a)
+        assert_exact(cached, prompt, a)
         hit = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
         assert hit == stored
         assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt) - hit
@@ -134,9 +134,9 @@ async def test_requests_admitted_together_with_different_hit_lengths(pair: tuple
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == sum(1 for e in expected if e)
     assert after["prefill_tokens"] - before["prefill_tokens"] == sum(map(len, prompts)) - sum(expected)
     refs = await together(plain, prompts)
-    for out, ref in zip(outs, refs, strict=True):
+    for p, out, ref in zip(prompts, outs, refs, strict=True):
         assert_same(out, ref)
-        assert_exact(cached, out)
+        assert_exact(cached, p, out)
 
 
 async def test_identical_prompts_admitted_together_share_one_prefill(pair: tuple[HFEngine, HFEngine]) -> None:
@@ -151,7 +151,7 @@ async def test_identical_prompts_admitted_together_share_one_prefill(pair: tuple
     ref = await plain.generate(prompt, sampling)
     for out in outs:
         assert_same(out, ref)  # same seed: same tokens
-        assert_exact(cached, out)
+        assert_exact(cached, prompt, out)
 
 
 async def test_cached_kv_equals_a_fresh_forward(tiny_llama_path: str) -> None:
@@ -201,14 +201,15 @@ async def test_no_stale_entry_after_a_weight_update(tiny_llama_path: str, mode: 
         # nothing computed under the old weights may serve a new request
         assert (await detail(eng))["prefix_cache_entries"] == 0
         hits = (await detail(eng))["prefix_cache_hit_tokens"]
-        again = await eng.generate(prompt + first.ids + spanning.ids, GREEDY)
+        again_prompt = prompt + first.ids + spanning.ids
+        again = await eng.generate(again_prompt, GREEDY)
         assert (await detail(eng))["prefix_cache_hit_tokens"] == hits
         assert set(again.versions) == {1}
-        assert_exact(eng, again)
+        assert_exact(eng, again_prompt, again)
         # entries made under the new weights are used again
-        follow = await eng.generate(again.prompt_ids + again.ids, GREEDY)
-        assert (await detail(eng))["prefix_cache_hit_tokens"] == hits + len(again.prompt_ids) + len(again.ids) - 1
-        assert_exact(eng, follow)
+        follow = await eng.generate(again_prompt + again.ids, GREEDY)
+        assert (await detail(eng))["prefix_cache_hit_tokens"] == hits + len(again_prompt) + len(again.ids) - 1
+        assert_exact(eng, again_prompt + again.ids, follow)
     finally:
         await eng.close()
 
@@ -219,11 +220,12 @@ async def test_eviction_keeps_the_total_under_the_cap(tiny_llama_path: str) -> N
     try:
         words = ["apple", "river", "stone", "cloud", "ember", "frost"]
         for w in words:
-            out = await eng.generate(encode(eng, f"{w} " * 12), GREEDY)
+            prompt = encode(eng, f"{w} " * 12)
+            out = await eng.generate(prompt, GREEDY)
             d = await detail(eng)
             assert d["prefix_cache_tokens"] <= cap
             assert d["prefix_cache_tokens"] == sum(len(e) for e in eng._prefix.entries())
-            assert_exact(eng, out)
+            assert_exact(eng, prompt, out)
         assert (await detail(eng))["prefix_cache_evictions"] > 0
         # the most recent entry survived; the oldest did not
         last = encode(eng, f"{words[-1]} " * 12)
@@ -244,7 +246,7 @@ async def test_cap_zero_disables(tiny_llama_path: str) -> None:
         d = await detail(eng)
         assert d["prefix_cache_hit_tokens"] == 0 and d["prefix_cache_tokens"] == 0
         assert d["prefill_tokens"] == 2 * len(prompt) + len(a.ids)
-        assert_exact(eng, b)
+        assert_exact(eng, prompt + a.ids, b)
     finally:
         await eng.close()
     with pytest.raises(ValueError, match="prefix_cache_tokens"):

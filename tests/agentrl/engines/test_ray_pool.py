@@ -45,7 +45,6 @@ async def test_replicas_serve_exact_logprobs_and_share_the_load(pool: Any, tiny_
     model = load_model(tiny_llama_path)
     prompts = [[1, 60 + i, 70 + i, 80 + i, 90 + i] for i in range(8)]
     outs = await asyncio.gather(*(pool.generate(p, Sampling(max_tokens=12, seed=i)) for i, p in enumerate(prompts)))
-    assert all(o.prompt_ids == p for o, p in zip(outs, prompts, strict=True))
     assert max(max_diff(o.logprobs, reference_logprobs(model, p, o.ids)) for o, p in zip(outs, prompts, strict=True)) < 1e-4
     assert all(o.versions == [0] * len(o.ids) for o in outs)
     per_replica = await _routed(pool)
