@@ -11,11 +11,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
-from agentrl.types import JSON, Message
+from agentrl.types import JSON, Message, Trajectory
 
 if TYPE_CHECKING:
     from agentrl.tools import Tool
@@ -43,6 +43,31 @@ class StepResult:
     terminated: bool = False
     truncated: bool = False
     info: dict[str, JSON] = field(default_factory=dict)
+
+
+@runtime_checkable
+class EpisodeDriver(Protocol):
+    """An env that runs its own episodes instead of being stepped by `run_episode`.
+
+    The `agent` env is one: the user's agent code drives the conversation
+    through the OpenAI-compatible gateway. The rollout manager calls
+    `drive_episode` in place of `run_episode`, under the same groups, slots,
+    failure policy and cancellation. It returns the episode's trajectories:
+    the main one first (its `error` decides the failure policy), then any
+    branches, which join the same group.
+    """
+
+    async def drive_episode(
+        self,
+        task: Task,
+        engine: Any,
+        tokenizer: Any,
+        config: Any,
+        *,
+        seed: int | None,
+        group_id: str,
+        sample_index: int,
+    ) -> list[Trajectory]: ...
 
 
 class Env(ABC):

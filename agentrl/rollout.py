@@ -29,7 +29,7 @@ from typing import Any
 
 from agentrl.chat import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
-from agentrl.env import Env, Task
+from agentrl.env import EpisodeDriver, Env, Task
 from agentrl.rollout_config import FailurePolicy, RolloutConfig
 from agentrl.rollout_episode import EpisodeFailure, classify, run_episode, within
 from agentrl.rollout_metrics import RolloutMetrics
@@ -308,17 +308,18 @@ class RolloutManager:
         size = self.config.group_size
         jobs = [asyncio.create_task(self._episode(position, task, group_id, i)) for i in range(size)]
         index_of = {job: i for i, job in enumerate(jobs)}
-        results: dict[int, Trajectory] = {}
+        results: dict[int, list[Trajectory]] = {}
         reason: str | None = None
-        pending: set[asyncio.Task[tuple[Trajectory, bool]]] = set(jobs)
+        pending: set[asyncio.Task[tuple[list[Trajectory], bool]]] = set(jobs)
         try:
             while pending and reason is None:
                 # every episode is bounded by its own deadlines; this wait ends when they do
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for job in done:
                     self._episodes -= 1  # here, not in the episode: no await until the group is counted
-                    traj, keep = job.result()
-                    results[index_of[job]] = traj
+                    trajs, keep = job.result()
+                    results[index_of[job]] = trajs
+                    traj = trajs[0]
                     if not keep and reason is None:
                         reason = f"error:{traj.error.kind.value}" if traj.error else "error"
         finally:
@@ -328,10 +329,14 @@ class RolloutManager:
                 for job in pending:
                     job.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-        return [results[i] for i in sorted(results)], reason
+        return [t for i in sorted(results) for t in results[i]], reason
 
-    async def _episode(self, position: int, task: Task, group_id: str, index: int) -> tuple[Trajectory, bool]:
-        """One sample of a group with the failure policy applied: (trajectory, keep it?)."""
+    async def _episode(self, position: int, task: Task, group_id: str, index: int) -> tuple[list[Trajectory], bool]:
+        """One sample of a group with the failure policy applied: (its trajectories, keep them?).
+
+        One trajectory per episode, except from an episode driver (`EpisodeDriver`, the `agent`
+        env): its branch trajectories follow the first, in the same group, with the same fate.
+        """
         attempt = 0
         while True:
             seed = ((self._seed * 1_000_003 + position) * 1009 + index) * 31 + attempt
@@ -340,31 +345,37 @@ class RolloutManager:
             else:  # a free slot: acquire() returns without suspending, no deadline needed
                 await self._slots.acquire()
             try:
-                traj = await self._one(task, group_id, index, seed % (2**62))
+                trajs = await self._one(task, group_id, index, seed % (2**62))
             finally:
                 self._slots.release()
+            traj = trajs[0]
             self._metrics.episode(traj)
             if traj.error is None:
-                return traj, True
+                return trajs, True
             policy = self.config.on_error[traj.error.kind]
             if policy is FailurePolicy.ZERO_REWARD:
-                traj.reward = 0.0
-                return traj, True
+                for t in trajs:
+                    t.reward = 0.0
+                return trajs, True
             if policy is FailurePolicy.RETRY and attempt < self.config.max_retries:
                 attempt += 1
                 self._metrics.retries += 1
                 continue
-            return traj, False
+            return trajs, False
 
-    async def _one(self, task: Task, group_id: str, index: int, seed: int) -> Trajectory:
+    async def _one(self, task: Task, group_id: str, index: int, seed: int) -> list[Trajectory]:
         try:
             env = self.env_factory()
         except Exception as e:
-            return _failed(task, ErrorClass(classify(e, ErrorClass.ENV)), f"env_factory failed: {e}", group_id, index, seed)
+            return [_failed(task, ErrorClass(classify(e, ErrorClass.ENV)), f"env_factory failed: {e}", group_id, index, seed)]
         try:
-            return await run_episode(
+            if isinstance(env, EpisodeDriver):  # the env runs its own episode (the `agent` env: the gateway)
+                return await env.drive_episode(
+                    task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
+                )
+            return [await run_episode(
                 env, task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
-            )
+            )]
         finally:
             if getattr(env.close, "__func__", None) is not Env.close:  # Env.close does nothing: skip it
                 with contextlib.suppress(Exception):
