@@ -29,7 +29,7 @@ from typing import Any
 
 from agentrl.chat import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
-from agentrl.env import EpisodeDriver, Env, Task
+from agentrl.env import Env, EpisodeDriver, Task
 from agentrl.rollout_config import FailurePolicy, RolloutConfig
 from agentrl.rollout_episode import EpisodeFailure, classify, run_episode, within
 from agentrl.rollout_metrics import RolloutMetrics
