@@ -1,0 +1,305 @@
+"""The OpenAI-compatible HTTP server (aiohttp) in front of any agentrl engine.
+
+Routes (each `/v1/...` also under `/s/{session}/v1/...`):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``;
+- ``POST /sessions`` opens a session (its id, key and base URL back);
+- ``POST /s/{session}/reward`` sets the episode's (or one turn's) reward;
+- ``POST /s/{session}/close`` ends it (later calls get 409);
+- ``GET /health``.
+
+A session is found by its path prefix or, on plain `/v1/...`, by its key as
+the bearer token. Every refusal is an OpenAI-shaped JSON error with a 4xx
+status; one bad request never disturbs the other sessions. The gateway binds
+loopback unless a token is configured (`GatewayConfig`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from agentrl.gateway.config import GatewayConfig
+from agentrl.gateway.protocol import (
+    GatewayError,
+    bad,
+    chat_chunks,
+    chat_response,
+    check_sampling,
+    completion_response,
+    fingerprint,
+    parse_chat_request,
+)
+from agentrl.gateway.session import Backend, Session
+
+log = logging.getLogger(__name__)
+ENDED_KEPT = 100_000  # ended session ids remembered, so late calls get 409 rather than 404
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+CloseHook = Callable[[Session], Awaitable[dict[str, Any]]]
+
+
+def _error(e: GatewayError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-shaped JSON error; the server keeps serving."""
+    try:
+        return await handler(request)
+    except GatewayError as e:
+        return _error(e)
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error(GatewayError(413, f"the request body is larger than the gateway's limit ({e.text})",
+                                   code="body_too_large"))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(GatewayError(e.status, f"{e.reason}: {request.method} {request.path}"))
+    except Exception as e:
+        log.exception("gateway: %s %s failed", request.method, request.path)
+        return _error(GatewayError(500, f"internal error: {type(e).__name__}: {e}"))
+
+
+class Gateway:
+    """Sessions over one `Backend`, served over HTTP. An async context manager (starts and stops the server)."""
+
+    def __init__(self, config: GatewayConfig, backend: Backend, *, on_close: CloseHook | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.on_close = on_close
+        self.sessions: dict[str, Session] = {}
+        self._by_key: dict[str, Session] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.shutdown_timeout_s = 2.0  # stop() waits this long for calls still running
+
+    # -- sessions (in process)
+
+    def open_session(self, id: str | None = None) -> Session:
+        if len(self.sessions) >= self.config.max_sessions:
+            raise GatewayError(429, f"{len(self.sessions)} sessions are open (gateway.max_sessions)", code="too_many_sessions")
+        if id is not None and (id in self.sessions or id in self._ended):
+            raise GatewayError(409, f"session {id!r} already exists", code="session_exists")
+        session = Session(self.backend, id=id)
+        self.sessions[session.id] = session
+        self._by_key[session.key] = session
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """End a session: later calls get 409. Its branches stay with the `Session` object."""
+        session.close()
+        self.sessions.pop(session.id, None)
+        self._by_key.pop(session.key, None)
+        self._ended[session.id] = None
+        self._ended[session.key] = None
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+
+    def base_url(self, session: Session) -> str:
+        """The OpenAI base URL of one session (path-prefixed)."""
+        return f"{self.url}/s/{session.id}/v1"
+
+    # -- server lifecycle
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=self.config.max_body_bytes)
+        for prefix in ("", "/s/{sid}"):
+            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
+            app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_get(prefix + "/v1/models", self._models)
+        app.router.add_post("/sessions", self._open)
+        app.router.add_post("/s/{sid}/reward", self._reward)
+        app.router.add_post("/s/{sid}/close", self._close)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self) -> str:
+        """Bind and serve; returns the root URL (``http://host:port``)."""
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.shutdown_timeout_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        port = sockets[0].getsockname()[1] if sockets else self.config.port
+        host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- auth
+
+    def _bearer(self, request: web.Request) -> str | None:
+        header = request.headers.get("Authorization", "")
+        if header.lower().startswith("bearer "):
+            return header[7:].strip() or None
+        return request.headers.get("api-key") or None
+
+    def _admin(self, request: web.Request) -> None:
+        token = self.config.token
+        if token and self._bearer(request) != token:
+            raise GatewayError(401, "this endpoint needs the gateway token as the bearer token", code="invalid_api_key")
+
+    def _session(self, request: web.Request) -> Session:
+        key = self._bearer(request)
+        sid = request.match_info.get("sid")
+        if sid is None:
+            found = self._by_key.get(key or "")
+            if found is None:
+                if key in self._ended:
+                    raise GatewayError(409, "this session key belongs to a session that has ended", code="session_closed")
+                raise GatewayError(401, "unknown API key: use a session's key, or its base URL /s/{session}/v1",
+                                   code="invalid_api_key")
+            return found
+        session = self.sessions.get(sid)
+        if session is None:
+            if sid in self._ended:
+                raise GatewayError(409, f"session {sid!r} has ended; open a new one", code="session_closed")
+            raise GatewayError(404, f"unknown session {sid!r}", code="unknown_session")
+        if key == session.key or (self.config.token and key == self.config.token):
+            return session
+        if self.config.token:
+            raise GatewayError(401, f"session {sid!r} needs its key or the gateway token as the bearer token",
+                               code="invalid_api_key")
+        if key in self._by_key:
+            raise GatewayError(401, f"this key belongs to another session, not {sid!r}", code="invalid_api_key")
+        return session
+
+    async def _json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        if not raw:
+            return {}
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise bad(f"the body is not valid JSON: {e}") from None
+
+    # -- handlers
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if "sid" in request.match_info:
+            self._session(request)
+        model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        body = await self._json(request)
+        chat = parse_chat_request(body, self.backend.sampling)
+        result = await session.chat(chat, fingerprint(body))
+        decode = self.backend.tokenizer.decode
+        model = self.config.model_name
+        if not chat.stream:
+            return web.json_response(chat_response(result, chat, model, decode))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in chat_chunks(result, chat, model, decode):
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        check_sampling(body, self.backend.sampling)
+        prompt = _prompt_ids(body.get("prompt"), self.backend.tokenizer.encode)
+        if body.get("echo"):
+            raise bad("echo is not served", "echo")
+        if body.get("suffix"):
+            raise bad("suffix is not served", "suffix")
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise bad(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        seed = body.get("seed") if isinstance(body.get("seed"), int) else None
+        completion = await session.complete(prompt, max_tokens, stop, seed)
+        decode = self.backend.tokenizer.decode
+        eos = self.backend.tokenizer.eos_ids
+        ids = completion.ids
+        text = decode(ids[:-1] if ids and ids[-1] in eos else ids)
+        out = completion_response(completion, prompt, text, self.config.model_name, logprobs=body.get("logprobs") is not None,
+                                  decode=decode, echo_ids=bool(body.get("return_token_ids")))
+        if not body.get("stream"):
+            return web.json_response(out)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _open(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        body = await self._json(request)
+        sid = body.get("id") if isinstance(body, dict) else None
+        if sid is not None and (not isinstance(sid, str) or not sid.replace("-", "").replace("_", "").isalnum()):
+            raise bad("id must be letters, digits, - or _", "id")
+        session = self.open_session(sid)
+        return web.json_response({"id": session.id, "api_key": session.key, "base_url": self.base_url(session)})
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        body = await self._json(request)
+        if not isinstance(body, dict) or isinstance(body.get("reward"), bool) or not isinstance(body.get("reward"), int | float):
+            raise bad("send {\"reward\": <number>, \"turn\"?: <call index>, \"breakdown\"?: {name: number}}", "reward")
+        turn = body.get("turn")
+        if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int)):
+            raise bad(f"turn must be an integer call index, got {turn!r}", "turn")
+        breakdown = body.get("breakdown") or {}
+        if not isinstance(breakdown, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in breakdown.values()
+        ):
+            raise bad("breakdown must map names to numbers", "breakdown")
+        session.set_reward(float(body["reward"]), turn=turn, breakdown={str(k): float(v) for k, v in breakdown.items()})
+        return web.json_response({"ok": True})
+
+    async def _close(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        if session.closed:
+            raise GatewayError(409, f"session {session.id!r} has ended", code="session_closed")
+        self.close_session(session)
+        summary: dict[str, Any] = {"id": session.id, "calls": session.calls,
+                                   "branches": len(session.branches) + len(session.token_branches)}
+        if self.on_close is not None:
+            summary.update(await self.on_close(session))
+        return web.json_response(summary)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "sessions": len(self.sessions), "time": time.time()})
+
+
+def _prompt_ids(prompt: Any, encode: Callable[[str], list[int]]) -> list[int]:
+    """A `/v1/completions` prompt (text, token ids, or a one-item batch of either) as token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt is empty", "prompt")
+        return encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return list(prompt)
+    raise bad("prompt must be a non-empty string or list of token ids (one prompt per call)", "prompt")

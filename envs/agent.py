@@ -1,0 +1,238 @@
+"""`agent`: train agent code written against the OpenAI API, unmodified but for its base URL.
+
+    env: {name: agent, agent: "my_pkg.my_agent:solve", tasks: tasks.jsonl}
+
+For every episode the rollout manager calls the user's ``async def
+solve(task, client)`` (an `openai.AsyncOpenAI` bound to a fresh gateway
+session) or ``async def solve(task, base_url, api_key)``. Its model calls go
+through the gateway (`agentrl.gateway`), which keeps them token-exact: one
+trajectory per branch of the conversation, the main one first. Groups,
+slots, staleness, deadlines (`rollout.episode_timeout_s`), failure classes and
+cancellation apply as for any env.
+
+The reward, first found wins: what `solve` returns (a number, a
+`{name: number}` breakdown summed, or a `RewardResult`); else the last
+``POST /s/{session}/reward`` without a turn; else the `rewards` plugins
+scoring the final messages (of the branch that answered last). Per-turn
+rewards (``POST`` with ``turn``) land on the turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import Field, field_validator
+
+from agentrl.chat import Budgets, ChatTokenizer
+from agentrl.engines.base import InferenceEngine
+from agentrl.env import Env, EnvConfig, StepResult, Task
+from agentrl.gateway import Backend, Gateway, GatewayConfig, Session, TrainerSampling
+from agentrl.rewards import RewardResult
+from agentrl.rollout_config import RolloutConfig
+from agentrl.rollout_episode import classify
+from agentrl.tool_parsers import get_parser
+from agentrl.types import JSON, EpisodeError, ErrorClass, Message, Trajectory
+
+from .reward_specs import RewardSpec, build_rewards, score_all
+
+Solve = Callable[..., Awaitable[Any]]
+
+
+class TasksFromEnv(EnvConfig):
+    """Take the tasks of another env (e.g. `calculator`): its splits, its task dicts."""
+
+    env: str = Field(..., min_length=1, description="a registered env whose tasks(split) to use")
+    params: dict[str, JSON] = Field(default_factory=dict, description="that env's config")
+
+
+class AgentEnvConfig(EnvConfig):
+    """Config of the `agent` env."""
+
+    agent: str = Field(..., description='the agent: "pkg.module:solve" or "path/to/file.py:solve"')
+    tasks: list[dict[str, JSON]] | str | TasksFromEnv = Field(
+        ..., description="tasks: a list of dicts, a .jsonl/.json file, or {env, params} to borrow an env's splits"
+    )
+    test_tasks: list[dict[str, JSON]] | str | None = Field(
+        None, description="the test split when `tasks` is a list or file (default: none)"
+    )
+    rewards: list[RewardSpec] = Field(
+        default_factory=list, description="reward plugins scoring the final messages when solve returns None"
+    )
+    gateway: GatewayConfig = Field(default_factory=lambda: GatewayConfig(), description="the gateway each episode's agent calls")
+    client_timeout_s: float = Field(600.0, gt=0, description="the openai client's per-request timeout")
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_form(cls, value: str) -> str:
+        if ":" not in value or not value.rsplit(":", 1)[1].isidentifier():
+            raise ValueError(f"agent={value!r}: write it as 'pkg.module:function' or 'path/file.py:function'")
+        return value
+
+
+def load_agent(spec: str) -> Solve:
+    """The `solve` coroutine function named by ``module:attr`` (a dotted module or a .py path)."""
+    where, attr = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        name = f"agentrl_user_agent_{abs(hash(str(path)))}"
+        module = sys.modules.get(name)
+        if module is None:
+            loader = importlib.util.spec_from_file_location(name, path)
+            if loader is None or loader.loader is None or not path.exists():
+                raise ValueError(f"env.agent: no Python file at {path}")
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[name] = module
+            loader.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    fn = getattr(module, attr, None)
+    if fn is None or not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"env.agent: {spec!r} must name an `async def solve(task, client)` function")
+    return fn  # type: ignore[no-any-return]
+
+
+def _read_tasks(source: list[dict[str, JSON]] | str) -> list[Task]:
+    if isinstance(source, list):
+        tasks = [dict(t) for t in source]
+    else:
+        text = Path(source).read_text()
+        tasks = [json.loads(line) for line in text.splitlines() if line.strip()] if source.endswith(".jsonl") else json.loads(text)
+    for i, task in enumerate(tasks):
+        task.setdefault("id", str(i))
+    return tasks
+
+
+def reward_of(value: Any) -> RewardResult | None:
+    """What solve returned, as a reward (None when it returned none)."""
+    if value is None or isinstance(value, RewardResult):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float | Mapping):
+        raise TypeError(f"solve returned {type(value).__name__}; return a number, a {{name: number}} dict or None")
+    if isinstance(value, Mapping):
+        parts = {str(k): float(v) for k, v in value.items()}
+        return RewardResult(value=sum(parts.values()), breakdown=parts)
+    return RewardResult(value=float(value))
+
+
+class AgentEnv(Env):
+    """Runs the user's agent per episode against a gateway session (an `EpisodeDriver`)."""
+
+    name: ClassVar[str] = "agent"
+    description: ClassVar[str] = "unmodified OpenAI-API agent code, trained through the gateway"
+    Config = AgentEnvConfig
+    config: AgentEnvConfig
+
+    def __init__(self, config: AgentEnvConfig | None = None, *, plugins: Any = None) -> None:
+        super().__init__(config)
+        self.plugins = plugins
+        self._solve: Solve | None = None
+
+    def tasks(self, split: str = "train") -> Iterable[Task]:
+        source = self.config.tasks
+        if isinstance(source, TasksFromEnv):
+            from agentrl.registry import Plugins
+
+            plugins = self.plugins or Plugins.discover()
+            return plugins.create_env(source.env, source.params).tasks(split)
+        if split == "train":
+            return _read_tasks(source)
+        if split == "test" and self.config.test_tasks is not None:
+            return _read_tasks(self.config.test_tasks)
+        raise ValueError(f"env agent has no {split!r} split (set test_tasks, or take tasks from an env)")
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
+        raise NotImplementedError("the agent env drives its own episodes (drive_episode); it is not stepped")
+
+    async def step(self, action: Message) -> StepResult:
+        raise NotImplementedError("the agent env drives its own episodes (drive_episode); it is not stepped")
+
+    def backend(self, engine: InferenceEngine, tokenizer: ChatTokenizer, config: RolloutConfig) -> Backend:
+        """The gateway backend for a run's engine, template and rollout settings."""
+        s = config.sampling
+        return Backend(
+            engine=engine, tokenizer=tokenizer, parser=get_parser(self.config.gateway.tool_parser, self.plugins),
+            sampling=TrainerSampling(s.temperature, s.top_p, s.top_k), budgets=Budgets.from_rollout_config(config),
+            stop_strings=tuple(s.stop_strings), generate_timeout_s=config.generate_timeout_s,
+            tools_in_prompt=self.config.gateway.tools_in_prompt,
+        )
+
+    async def drive_episode(
+        self, task: Task, engine: Any, tokenizer: Any, config: Any, *, seed: int | None, group_id: str, sample_index: int
+    ) -> list[Trajectory]:
+        """Serve one session, run `solve` in it, and turn its calls into trajectories."""
+        self._solve = self._solve or load_agent(self.config.agent)
+        async with Gateway(self.config.gateway, self.backend(engine, tokenizer, config)) as gateway:
+            session = gateway.open_session()
+            error: EpisodeError | None = None
+            value: Any = None
+            try:
+                async with asyncio.timeout(config.episode_timeout_s):
+                    value = await self._call_solve(task, gateway, session)
+            except TimeoutError:
+                error = EpisodeError(ErrorClass.TIMEOUT, f"episode exceeded episode_timeout_s={config.episode_timeout_s}")
+            except Exception as e:
+                if session.truncation_reason is None:  # a spent budget ends the episode truncated, not failed
+                    error = EpisodeError(_agent_error_class(e), f"the agent failed: {type(e).__name__}: {e}")
+            finally:
+                gateway.close_session(session)
+        result: RewardResult | None = None
+        if error is None:
+            try:
+                result = await self._reward(task, session, value)
+            except Exception as e:
+                error = EpisodeError(classify(e, ErrorClass.REWARD), f"reward failed: {type(e).__name__}: {e}")
+        reward = result.value if result is not None and error is None else 0.0
+        trajs = session.trajectories(task=dict(task), env=self.name, group_id=group_id, sample_index=sample_index,
+                                     reward=reward, breakdown=result.breakdown if result is not None else None)
+        if not trajs:
+            trajs = [Trajectory(task_id=str(task.get("id", "")), env=self.name, messages=[], token_ids=[], loss_mask=[],
+                                logprobs=[], versions=[], group_id=group_id, sample_index=sample_index, task=dict(task))]
+            error = error or EpisodeError(ErrorClass.ENV, "the agent made no model call")
+        for traj in trajs:
+            traj.seed = seed
+            if error is not None:
+                traj.error = EpisodeError(error.kind, error.message, turn=len(traj.turns))
+                traj.terminated = False
+        return trajs
+
+    async def _call_solve(self, task: Task, gateway: Gateway, session: Session) -> Any:
+        assert self._solve is not None
+        params = list(inspect.signature(self._solve).parameters)
+        if len(params) >= 2 and params[1] == "base_url":
+            kwargs = {"api_key": session.key} if "api_key" in params else {}
+            return await self._solve(dict(task), gateway.base_url(session), **kwargs)
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=gateway.base_url(session), api_key=session.key,
+                             timeout=self.config.client_timeout_s, max_retries=0)
+        try:
+            return await self._solve(dict(task), client)
+        finally:
+            await client.close()
+
+    async def _reward(self, task: Task, session: Session, value: Any) -> RewardResult | None:
+        result = reward_of(value)
+        if result is None and session.reward is not None:
+            result = RewardResult(value=session.reward, breakdown=dict(session.breakdown))
+        if result is None and self.config.rewards:
+            rewards = build_rewards(self.config.rewards, plugins=self.plugins, prefix="env.rewards")
+            result = await score_all(rewards, task, session.final_messages())
+        if result is None:
+            raise ValueError("no reward: solve returned None, nothing was POSTed to /reward and env.rewards is empty")
+        return result
+
+
+def _agent_error_class(e: BaseException) -> ErrorClass:
+    """An agent's exception: the engine's failures (the gateway's 5xx) are engine errors, the rest the env's."""
+    status = getattr(e, "status_code", None)
+    if isinstance(status, int) and status >= 500:
+        return ErrorClass.TIMEOUT if status == 504 else ErrorClass.ENGINE
+    return classify(e, ErrorClass.ENV)
