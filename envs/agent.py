@@ -66,8 +66,8 @@ class AgentEnvConfig(EnvConfig):
     rewards: list[RewardSpec] = Field(
         default_factory=list, description="reward plugins scoring the final messages when solve returns None"
     )
-    gateway: GatewayConfig = Field(default_factory=lambda: GatewayConfig(), description="the gateway each episode's agent calls")
-    client_timeout_s: float = Field(600.0, gt=0, description="the openai client's per-request timeout")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="the gateway each episode's agent calls")
+    client_timeout_s: float = Field(default=600.0, gt=0, description="the openai client's per-request timeout")
 
     @field_validator("agent")
     @classmethod

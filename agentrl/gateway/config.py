@@ -23,20 +23,18 @@ class GatewayConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = Field("127.0.0.1", description="address to bind; anything but loopback requires `token`")
-    port: int = Field(0, ge=0, le=65535, description="port to bind; 0 = any free port")
-    token: str | None = Field(
-        None, min_length=16,
+    host: str = Field(default="127.0.0.1", description="address to bind; anything but loopback requires `token`")
+    port: int = Field(default=0, ge=0, le=65535, description="port to bind; 0 = any free port")
+    token: str | None = Field(default=None, min_length=16,
         description="admin bearer token: opens/closes sessions, and any call must carry it or a session key",
     )
-    model_name: str = Field("agentrl", min_length=1, description="the model id /v1/models lists and replies name")
-    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="largest request body accepted (413 above)")
-    tool_parser: str = Field("hermes", description="how replies become tool calls: hermes, llama3_json, json or a plugin")
-    tools_in_prompt: bool = Field(
-        True, description="render the request's `tools` into the prompt; false when the agent's own system prompt "
+    model_name: str = Field(default="agentrl", min_length=1, description="the model id /v1/models lists and replies name")
+    max_body_bytes: int = Field(default=8 * 2**20, ge=1024, description="largest request body accepted (413 above)")
+    tool_parser: str = Field(default="hermes", description="how replies become tool calls: hermes, llama3_json, json or a plugin")
+    tools_in_prompt: bool = Field(default=True, description="render the request's `tools` into the prompt; false when the agent's own system prompt "
         "already shows the call format (calls are parsed either way)",
     )
-    max_sessions: int = Field(4096, ge=1, description="open sessions at once; opening more is a 429")
+    max_sessions: int = Field(default=4096, ge=1, description="open sessions at once; opening more is a 429")
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> GatewayConfig:
