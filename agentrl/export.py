@@ -5,7 +5,10 @@ One row per trajectory, the same columns in JSONL and Parquet, shaped so that
 for every row: the fixed parts are typed columns (ids, flags, token arrays,
 messages with their tool calls), the free-form dicts whose keys vary from row
 to row (task, info, metrics, reward breakdown, tool-call arguments, turn info)
-are JSON strings. `row_to_trajectory` turns a row back into a Trajectory.
+are JSON strings. `prompt_messages` says how many leading messages were the
+prompt (null in rows of trajectories that did not record it; see
+`agentrl.store_summary.prompt_length`). `row_to_trajectory` turns a row back
+into a Trajectory.
 
 JSON has no NaN/inf: in JSONL a non-finite reward or logprob is written as
 null (Parquet keeps the value).
@@ -58,6 +61,7 @@ def trajectory_row(record: StoredTrajectory) -> dict[str, JSON]:
             }
             for m in t.messages
         ],
+        "prompt_messages": t.prompt_messages,
         "token_ids": list(t.token_ids),
         "loss_mask": list(t.loss_mask),
         "logprobs": list(t.logprobs),
@@ -117,6 +121,7 @@ def row_to_trajectory(row: Mapping[str, Any]) -> Trajectory:
             )
             for m in row["messages"]
         ],
+        prompt_messages=row.get("prompt_messages"),
         token_ids=list(row["token_ids"]),
         loss_mask=list(row["loss_mask"]),
         logprobs=[num(x) for x in row["logprobs"]],
@@ -222,6 +227,7 @@ def parquet_schema() -> Any:
             ("error_message", pa.string()),
             ("error_turn", pa.int64()),
             ("messages", pa.list_(message)),
+            ("prompt_messages", pa.int64()),
             ("token_ids", pa.list_(pa.int64())),
             ("loss_mask", pa.list_(pa.int8())),
             ("logprobs", pa.list_(pa.float64())),

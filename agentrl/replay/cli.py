@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import sqlite3
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +15,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agentrl.store import TrajectoryStore, resolve_store_path
+from agentrl.replay.queries import TrajectoryQueries
+from agentrl.store import resolve_store_path, upgrade_store
+from agentrl.store_summary import prompt_layout
 from agentrl.types import Trajectory
 
 EXIT_USAGE = 2
@@ -35,12 +38,21 @@ def register(app: typer.Typer) -> None:
     app.command("show")(show)
 
 
-def _open_store(run: Path) -> TrajectoryStore:
+def _open_store(run: Path) -> TrajectoryQueries:
+    """The run's store, read-only; one written by an older agentrl is upgraded in place first."""
     path = resolve_store_path(run)
+    err = Console(stderr=True)
     try:
-        return TrajectoryStore(path, readonly=True)
+        old = upgrade_store(path)
+        if old is not None:
+            err.print(Text(f"upgraded {path} from store schema {old} (episode counts, previews, search)"))
+        return TrajectoryQueries.open(path)
     except (FileNotFoundError, ValueError) as e:
-        Console(stderr=True).print(Text(f"error: {e}", style="red"))
+        err.print(Text(f"error: {e}", style="red"))
+        raise typer.Exit(EXIT_USAGE) from None
+    except (PermissionError, sqlite3.OperationalError) as e:
+        err.print(Text(f"error: {path} was written by an older agentrl and upgrading it needs write access ({e})",
+                       style="red"))  # fmt: skip
         raise typer.Exit(EXIT_USAGE) from None
 
 
@@ -87,13 +99,13 @@ def replay(
 def _check(run: Path, traj_id: str) -> int:
     from agentrl.replay.reexec import default_env_factory, recheck
 
-    with _open_store(run) as store:
+    with _open_store(run) as q:
         try:
-            traj = store.get_trajectory(traj_id)
+            traj = q.store.get_trajectory(traj_id)
         except KeyError as e:
             Console(stderr=True).print(Text(f"error: {e.args[0]}", style="red"))
             return EXIT_USAGE
-        config = store.run_config()
+        config = q.store.run_config()
     report = asyncio.run(recheck(traj, default_env_factory(config)))
     console = Console()
     table = Table("step", "result", "reward stored", "reward replayed", "note")
@@ -128,6 +140,7 @@ def show(
     tokens: Annotated[bool, typer.Option(help="Print the tokens, coloured by loss mask.")] = True,
     colour: Annotated[str, typer.Option(help="Token colouring: mask, logprob or version.")] = "mask",
     list_: Annotated[int, typer.Option("--list", help="List the newest N trajectories instead.")] = 0,
+    demos: Annotated[bool, typer.Option(help="Print the prompt's few-shot demonstrations in full.")] = False,
     tokenizer: TokenizerOpt = None,
 ) -> None:
     """Print one trajectory (conversation + loss-masked tokens) in the terminal."""
@@ -139,12 +152,13 @@ def show(
         )
         raise typer.Exit(EXIT_USAGE)
     console = Console()
-    with _open_store(run) as store:
+    with _open_store(run) as q:
+        store = q.store
         if list_:
-            _print_list(console, store.query(limit=min(list_, 1000)))
+            _print_list(console, q.query(limit=min(list_, 1000)))
             return
         if id is None:
-            newest = store.query(limit=1)
+            newest = q.query(limit=1)
             if not newest:
                 console.print(Text("the store holds no trajectories yet", style="yellow"))
                 return
@@ -157,12 +171,29 @@ def show(
         decoder = TokenDecoder.for_run(store.run_config(), tokenizer)
     t = record.trajectory
     console.print(_header(t, record.step, record.status))
-    for m in t.messages:
+    layout = prompt_layout(t)
+    turn = -1
+    for i, m in enumerate(t.messages):
+        if i == layout.system_end and layout.task_start > i and not demos:
+            n = layout.task_start - layout.system_end
+            console.print(
+                Text(f"prompt: {n} few-shot demonstration messages (--demos to print them)", style="dim")
+            )
+        if layout.system_end <= i < layout.task_start and not demos:
+            continue
         body: list[Any] = [Text(m.content)]
         for c in m.tool_calls:
             body.append(Text(f"→ {c.name}({c.arguments})" + (f"  [parse error: {c.error}]" if c.error else ""),
                              style="cyan"))  # fmt: skip
         title = m.role + (f" · {m.name}" if m.name else "")
+        if i < layout.prompt_end:
+            part = "task"
+            if i < layout.task_start:
+                part = "system prompt" if i < layout.system_end else "demonstration"
+            title = f"{title} · prompt ({part})"
+        elif m.role == "assistant":
+            turn += 1
+            title = f"{title} · turn {turn}"
         console.print(
             Panel(Group(*body), title=Text(title), title_align="left", border_style=_ROLE_STYLE[m.role])
         )
@@ -212,11 +243,12 @@ def _token_text(t: Trajectory, decoder: Any, colour: str) -> Text:
 
 
 def _print_list(console: Console, rows: list[dict[str, Any]]) -> None:
-    table = Table("id", "step", "env", "status", "reward", "tokens", "tools", "flags", "preview")
+    table = Table("id", "step", "env", "status", "reward", "tokens", "turns", "calls", "flags", "preview")
     for r in rows:
         flags = " ".join(x for x in (r["error_class"], "truncated" if r["truncated"] else None) if x)
         table.add_row(*(Text(str(v)) for v in (r["id"], r["step"], r["env"], r["status"], _num(r["reward"]),
-                                               r["num_tokens"], ",".join(r["tools"]), flags, r["preview"][:60])))  # fmt: skip
+                                               r["num_tokens"], r["num_turns"], r["num_tool_calls"], flags,
+                                               r["preview"][:60])))  # fmt: skip
     console.print(table)
 
 

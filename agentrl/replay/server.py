@@ -31,9 +31,11 @@ from typing import Any
 from aiohttp import web
 
 from agentrl.env import Env
+from agentrl.replay.overview import overview_layout
+from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.reexec import default_env_factory, recheck
 from agentrl.replay.tokens import TokenDecoder, json_safe, token_view
-from agentrl.store import TrajectoryFilter, TrajectoryStore
+from agentrl.store_summary import final_answer, prompt_layout
 
 STATIC_FILES = {  # URL path -> (package file, content type)
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -89,7 +91,8 @@ class ReplayApp:
 
     def __init__(self, settings: ReplaySettings, *, make_env: Callable[[str], Env] | None = None) -> None:
         self.settings = settings
-        self.store = TrajectoryStore(settings.store_path, readonly=True)
+        self.queries = TrajectoryQueries.open(settings.store_path)
+        self.store = self.queries.store
         self._make_env = make_env
         self._decoder: TokenDecoder | None = None
         self._check_lock = asyncio.Lock()
@@ -113,7 +116,7 @@ class ReplayApp:
         return app
 
     async def _close(self, _app: web.Application) -> None:
-        self.store.close()
+        self.queries.close()
 
     # -- middleware ----------------------------------------------------------
 
@@ -166,22 +169,24 @@ class ReplayApp:
 
     async def _run(self, request: web.Request) -> web.Response:
         def read() -> dict[str, Any]:
-            st = self.store
+            q = self.queries
             return {
-                "path": str(st.path),
-                "config": st.run_config(),
-                "count": st.count(),
-                "latest": (st.query(limit=1) or [{}])[0].get("seq"),
-                "filters": {k: st.distinct(k) for k in ("env", "status", "error_class", "tool")},  # type: ignore[arg-type]
+                "path": str(q.store.path),
+                "config": q.store.run_config(),
+                "count": q.store.count(),
+                "latest": (q.query(limit=1) or [{}])[0].get("seq"),
+                "filters": {k: q.distinct(k) for k in ("env", "status", "error_class", "tool")},
             }
 
         return _json(await self._db(read))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         def read() -> dict[str, Any]:
+            metrics, steps = self.store.metrics(), self.queries.step_rewards()
             return {
-                "metrics": [{"step": s, "values": v} for s, v in self.store.metrics()],
-                "steps": self.store.step_rewards(),
+                "metrics": [{"step": s, "values": v} for s, v in metrics],
+                "steps": steps,
+                "layout": overview_layout(metrics, steps),
             }
 
         return _json(await self._db(read))
@@ -202,7 +207,7 @@ class ReplayApp:
             raise _bad_request("limit and offset must be integers") from None
 
         def read() -> dict[str, Any]:
-            items, cursor = self.store.page(
+            items, cursor = self.queries.page(
                 filters,
                 order=q.get("order", "newest"),
                 limit=limit,
@@ -218,7 +223,7 @@ class ReplayApp:
 
     async def _count(self, request: web.Request) -> web.Response:
         filters = self._filters(request)
-        return _json({"count": await self._db(lambda: self.store.count(filters))})
+        return _json({"count": await self._db(lambda: self.queries.count(filters))})
 
     async def _trajectory(self, request: web.Request) -> web.Response:
         tid = request.match_info["id"]
@@ -235,6 +240,7 @@ class ReplayApp:
                 "status": record.status,
                 "seq": record.seq,
                 "created_at": record.created_at,
+                "layout": prompt_layout(t).to_dict(),
                 "tokens": token_view(t, self._token_decoder()),
             }
 
@@ -252,19 +258,19 @@ class ReplayApp:
         gid = request.match_info["id"]
 
         def read() -> dict[str, Any] | None:
-            members = self.store.group_members(gid)
+            members = self.queries.group_members(gid)
             if not members:
                 return None
             out = []
             for m in members:
                 t = self.store.get_trajectory(str(m["id"]))
-                final = next((x.content for x in reversed(t.messages) if x.role == "assistant"), "")
+                final = final_answer(t)
                 stats = t.info.get("token_stats") if isinstance(t.info.get("token_stats"), dict) else {}
                 adv = t.info.get("advantage")
                 if adv is None and isinstance(stats, dict) and isinstance(stats.get("advantages"), list):
                     adv = next((a for a, k in zip(stats["advantages"], t.loss_mask, strict=False) if k), None)
                 out.append({**m, "final": final, "reward_breakdown": t.reward_breakdown, "advantage": adv})
-            return {"group": self.store.group(gid), "members": out}
+            return {"group": self.queries.group(gid), "members": out}
 
         data = await self._db(read)
         return _error(404, "no such group") if data is None else _json(data)

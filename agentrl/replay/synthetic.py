@@ -1,6 +1,7 @@
 """Realistic synthetic runs: multi-turn tool-calling groups for tests, benchmarks, demos.
 
-Shapes follow what `run_episode` stores: a system + user opening, assistant
+Shapes follow what `run_episode` stores: a system + user opening (calculator
+episodes also carry a few-shot demonstration in it, all prompt), assistant
 turns with Hermes tool calls, tool outputs (a python tool with sandbox
 stdout/stderr in the turn info), a final answer, token arrays with masks,
 float32 behaviour logprobs and policy versions, rewards with a breakdown, and
@@ -22,6 +23,13 @@ from agentrl.store import TrajectoryStore
 from agentrl.types import EpisodeError, ErrorClass, Group, Message, ToolCall, Trajectory, Turn
 
 ENVS = ("calculator", "python_sandbox", "search_qa")
+CALCULATOR_DEMO = (
+    Message("user", "Demo question: what is 6 times 7?"),
+    Message("assistant", "", tool_calls=[ToolCall("calculator", {"expression": "6 * 7"}, id="demo_0")]),
+    Message("tool", "42", tool_call_id="demo_0", name="calculator"),
+    Message("assistant", "Answer: 42"),
+)
+"""A worked demonstration in the prompt of every calculator episode (like `few_shot` in the real env)."""
 _WORDS = (
     "the", "value", "of", "compute", "result", "first", "then", "check", "answer", "step", "number",
     "total", "we", "need", "sum", "product", "carefully", "so", "that", "next", "use", "tool",
@@ -64,8 +72,10 @@ def synthetic_trajectory(
     answer = a * b if env == "calculator" else a + b
     messages = [
         Message("system", "You are a careful assistant. Use the tools; answer as `Answer: N`."),
+        *(CALCULATOR_DEMO if env == "calculator" else []),
         Message("user", f"{task['question']} {_text(random.Random(str(task['id'])), words // 4)}"),
     ]
+    prompt = len(messages)
     turns_info: list[tuple[float, list[str], dict[str, Any]]] = []
     n_turns = rng.randint(1, 4)
     error: EpisodeError | None = None
@@ -97,7 +107,7 @@ def synthetic_trajectory(
         "format": 0.1 if messages[-1].role == "assistant" else 0.0,
     }
     reward = breakdown["correct"] + breakdown["format"]
-    token_ids, mask, logprobs, versions, turns = _tokenise(rng, tokenizer, messages, version)
+    token_ids, mask, logprobs, versions, turns = _tokenise(rng, tokenizer, messages, version, prompt)
     turns = [
         Turn(start=t.start, end=t.end, reward=r, tool_calls=names, info=info)
         for t, (r, names, info) in zip(turns, turns_info, strict=False)
@@ -123,6 +133,7 @@ def synthetic_trajectory(
         sample_index=sample_index,
         seed=1000 * version + sample_index,
         task=task,
+        prompt_messages=prompt,
         metrics={"retokenization_drift": 0.0},
         info={"token_stats": _token_stats(rng, mask, logprobs, reward)} if token_stats else {},
     )
@@ -162,17 +173,18 @@ def _tool_turn(
 
 
 def _tokenise(
-    rng: random.Random, tokenizer: ChatTokenizer, messages: Sequence[Message], version: int
+    rng: random.Random, tokenizer: ChatTokenizer, messages: Sequence[Message], version: int, prompt: int
 ) -> tuple[list[int], list[int], list[float], list[int], list[Turn]]:
-    """Render message by message; assistant tokens get mask 1, a logprob and the version."""
+    """Render message by message; the episode's assistant tokens (after the first `prompt`
+    messages) get mask 1, a logprob and the version."""
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     turns: list[Turn] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         text = tokenizer.render([m])
-        if m.role == "assistant":
+        if m.role == "assistant" and i >= prompt:
             head = tokenizer.encode("<|im_start|>assistant\n")
             body = tokenizer.encode(text)[len(head) :]
             ids += head

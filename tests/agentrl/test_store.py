@@ -19,15 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trajectory_strategies import trajectories
 
+from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.synthetic import fill_store
-from agentrl.store import (
-    STORE_FILENAME,
-    TrajectoryFilter,
-    TrajectoryStore,
-    decode_array,
-    encode_array,
-    fts_query,
-)
+from agentrl.store import STORE_FILENAME, TrajectoryStore
+from agentrl.store_schema import decode_array, encode_array
 from agentrl.types import Group, Message, Trajectory
 
 
@@ -73,6 +68,7 @@ def test_int_array_out_of_range_is_a_clear_error() -> None:
 
 # ----------------------------------------------------------------------------- round trip
 
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(trajs=st.lists(trajectories(), min_size=1, max_size=4))
 def test_round_trip_is_lossless(tmp_path: Path, trajs: list[Trajectory]) -> None:
@@ -98,208 +94,27 @@ def test_realistic_round_trip_and_summaries(tmp_path: Path) -> None:
                 assert canon(rec.trajectory) == canon(t)
                 assert rec.trajectory.tokens() == t.tokens()
         t = groups[4].trajectories[2]
-        row = store.query(TrajectoryFilter(group_id=t.group_id), order="oldest")[2]
+        row = TrajectoryQueries(store).query(TrajectoryFilter(group_id=t.group_id), order="oldest")[2]
         assert row["id"] == t.id
         assert row["num_tokens"] == len(t.token_ids)
         assert row["num_sampled"] == sum(t.loss_mask)
-        assert row["tools"] == sorted({c.name for m in t.messages for c in m.tool_calls})
-        assert row["num_turns"] == sum(m.role == "assistant" for m in t.messages)
+        assert row["error_class"] == (t.error.kind.value if t.error else None)
+        # list rows count the episode (after the recorded prompt), never the demonstrations
+        everything = [u for g in groups for u in g.trajectories]
+        assert any(u.env == "calculator" for u in everything)  # whose prompts carry a demonstration
+        rows = {r["id"]: r for r in TrajectoryQueries(store).query(limit=1000)}
+        for u in everything:
+            row = rows[u.id]
+            assert u.prompt_messages is not None
+            episode = u.messages[u.prompt_messages :]
+            assert row["tools"] == sorted({c.name for m in episode for c in m.tool_calls})
+            assert row["num_turns"] == len(u.turns) == sum(m.role == "assistant" for m in episode)
+            assert row["num_tool_calls"] == sum(len(turn.tool_calls) for turn in u.turns)
+            asked = " ".join(u.messages[u.prompt_messages - 1].content.split())
+            assert str(row["preview"]).startswith(asked[:100])
         assert row["error_class"] == (t.error.kind.value if t.error else None)
         with pytest.raises(KeyError, match="nope"):
             store.get_trajectory("nope")
-
-
-def test_duplicate_id_is_refused(tmp_path: Path) -> None:
-    t = Trajectory(task_id="t", env="e", messages=[], token_ids=[], loss_mask=[], logprobs=[], versions=[])
-    with TrajectoryStore(tmp_path) as store:
-        store.add_trajectory(t, step=0, status="trained")
-        with pytest.raises(ValueError, match="already in"):
-            store.add_trajectory(t, step=0, status="trained")
-
-
-# ----------------------------------------------------------------------------- queries
-
-
-@pytest.fixture(scope="module")
-def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Trajectory]]:
-    path = tmp_path_factory.mktemp("synthetic") / STORE_FILENAME
-    with TrajectoryStore(path) as store:
-        groups = fill_store(store, steps=6, groups_per_step=5, group_size=4, seed=7)
-        # a NaN reward must sort and paginate like any other value
-        odd = groups[0].trajectories[0]
-        nan_traj = Trajectory.from_dict({**odd.to_dict(), "id": "nan-reward", "reward": "nan"})
-        store.add_trajectory(nan_traj, step=None, status="eval")
-    trajs = [t for g in groups for t in g.trajectories]
-    for i, g in enumerate(groups):
-        STEPS.update({t.id: i // 5 + 1 for t in g.trajectories})
-    STEPS[nan_traj.id] = None
-    return path, [*trajs, nan_traj]
-
-
-STEPS: dict[str, int | None] = {}  # trajectory id -> the step it was stored with (synthetic fixture)
-
-
-def reference(trajs: list[Trajectory], f: TrajectoryFilter) -> set[str]:
-    """The filter, evaluated in Python over the original trajectories."""
-    out = set()
-    for t in trajs:
-        step = STEPS[t.id]
-        tools = {c.name for m in t.messages for c in m.tool_calls}
-        checks = [
-            f.step_min is None or (step is not None and step >= f.step_min),
-            f.step_max is None or (step is not None and step <= f.step_max),
-            f.env is None or t.env == f.env,
-            f.reward_min is None or t.reward >= f.reward_min,
-            f.reward_max is None or t.reward <= f.reward_max,
-            f.error is None
-            or (f.error == "none" and t.error is None)
-            or (f.error == "any" and t.error is not None)
-            or (t.error is not None and t.error.kind.value == f.error),
-            f.truncated is None or t.truncated == f.truncated,
-            f.tool is None or f.tool in tools,
-            f.length_min is None or len(t.token_ids) >= f.length_min,
-            f.length_max is None or len(t.token_ids) <= f.length_max,
-            f.search is None or all(any(w in m.content for m in t.messages) for w in f.search.split()),
-        ]
-        if all(checks):
-            out.add(t.id)
-    return out
-
-
-@pytest.mark.parametrize(
-    "f",
-    [
-        TrajectoryFilter(),
-        TrajectoryFilter(step_min=2, step_max=4),
-        TrajectoryFilter(env="python_sandbox"),
-        TrajectoryFilter(reward_min=1.0),
-        TrajectoryFilter(reward_max=0.05, env="search_qa"),
-        TrajectoryFilter(error="any"),
-        TrajectoryFilter(error="none", truncated=False),
-        TrajectoryFilter(error="tool"),
-        TrajectoryFilter(truncated=True),
-        TrajectoryFilter(tool="lookup"),
-        TrajectoryFilter(tool="python", reward_min=1.0),
-        TrajectoryFilter(length_min=600, length_max=900),
-        TrajectoryFilter(search="ZeroDivisionError", truncated=False, step_min=2),
-        TrajectoryFilter(search="Traceback ZeroDivisionError", reward_min=1.0, env="python_sandbox"),
-    ],
-)
-def test_filters_match_a_python_reference(
-    synthetic: tuple[Path, list[Trajectory]], f: TrajectoryFilter
-) -> None:
-    path, trajs = synthetic
-    expected = reference(trajs, f)
-    with TrajectoryStore(path, readonly=True) as store:
-        got = [r["id"] for r in store.query(f, limit=1000)]
-        assert len(got) == len(set(got))
-        assert set(got) == expected
-        assert store.count(f) == len(expected)
-    assert expected or f.error == "tool", "the synthetic run should exercise every filter"
-
-
-@pytest.mark.parametrize(
-    "order", ["newest", "oldest", "reward_desc", "reward_asc", "length_desc", "length_asc"]
-)
-def test_cursor_pagination_visits_every_row_once_in_order(
-    synthetic: tuple[Path, list[Trajectory]], order: str
-) -> None:
-    path, trajs = synthetic
-    with TrajectoryStore(path, readonly=True) as store:
-        seen: list[dict[str, Any]] = []
-        cursor = None
-        while True:
-            items, cursor = store.page(order=order, limit=7, cursor=cursor)
-            seen += items
-            if cursor is None:
-                break
-        everything = store.query(order=order, limit=1000)
-        by_offset = [
-            r for off in range(0, len(trajs), 7) for r in store.query(order=order, limit=7, offset=off)
-        ]
-    assert [r["id"] for r in seen] == [r["id"] for r in everything] == [r["id"] for r in by_offset]
-    assert sorted(r["id"] for r in seen) == sorted(t.id for t in trajs)
-    if order.startswith("reward"):
-        finite = [r["reward"] for r in seen if r["reward"] is not None]
-        assert finite == sorted(finite, reverse=order.endswith("desc"))
-        assert any(r["reward"] is None for r in seen)  # the NaN reward is listed too
-    if order == "newest":
-        assert [r["seq"] for r in seen] == sorted((r["seq"] for r in seen), reverse=True)
-
-
-def test_full_text_search(synthetic: tuple[Path, list[Trajectory]]) -> None:
-    path, trajs = synthetic
-    with TrajectoryStore(path, readonly=True) as store:
-        zero = {r["id"] for r in store.query(TrajectoryFilter(search="ZeroDivisionError"), limit=1000)}
-        expected = {t.id for t in trajs if any("ZeroDivisionError" in m.content for m in t.messages)}
-        assert zero == expected and zero
-        # a word in a tool-call argument and a prefix query
-        lookup = {r["id"] for r in store.query(TrajectoryFilter(search="plus"), limit=1000)}
-        assert lookup == {t.id for t in trajs if any("plus" in m.content.split() or any(
-            "plus" in json.dumps(c.arguments) for c in m.tool_calls) for m in t.messages)}  # fmt: skip
-        prefix = store.count(TrajectoryFilter(search="ZeroDiv*"))
-        assert prefix == len(expected)
-        # FTS syntax in user input is taken literally, never an SQL/FTS error
-        for nasty in ['"', "a OR", "NEAR(", "col:x", "-x", "*", "'; DROP TABLE trajectories; --"]:
-            store.count(TrajectoryFilter(search=nasty))
-        assert store.count() == len(trajs)
-    assert fts_query('say "hi" now*') == '"say" AND """hi""" AND "now"*'
-
-
-def test_filter_params_parse_and_errors_name_the_key() -> None:
-    f = TrajectoryFilter.from_params(
-        {"step_min": "2", "truncated": "true", "env": "calc", "reward_max": "", "x": "1"}
-    )
-    assert f == TrajectoryFilter(step_min=2, truncated=True, env="calc")
-    with pytest.raises(ValueError, match="step_min='two'"):
-        TrajectoryFilter.from_params({"step_min": "two"})
-    with pytest.raises(ValueError, match=r"truncated='maybe'.*true/false"):
-        TrajectoryFilter.from_params({"truncated": "maybe"})
-
-
-def test_bad_query_arguments(synthetic: tuple[Path, list[Trajectory]]) -> None:
-    path, _ = synthetic
-    with TrajectoryStore(path, readonly=True) as store:
-        with pytest.raises(ValueError, match="order='sideways'"):
-            store.query(order="sideways")
-        with pytest.raises(ValueError, match="limit=0"):
-            store.query(limit=0)
-        with pytest.raises(ValueError, match="cursor="):
-            store.page(cursor="garbage!")
-
-
-def test_groups_metrics_and_cursors(synthetic: tuple[Path, list[Trajectory]]) -> None:
-    path, trajs = synthetic
-    with TrajectoryStore(path, readonly=True) as store:
-        members = store.group_members(trajs[5].group_id)
-        assert [m["sample_index"] for m in members] == [0, 1, 2, 3]
-        group = store.group(trajs[5].group_id)
-        assert group is not None and group["size"] == 4
-        rewards = [t.reward for t in trajs if t.group_id == trajs[5].group_id]
-        assert group["reward_mean"] == pytest.approx(sum(rewards) / 4)
-        metrics = store.metrics()
-        assert [s for s, _ in metrics] == [1, 2, 3, 4, 5, 6]
-        assert set(metrics[0][1]) == {"reward/mean", "loss/policy", "offpolicy/kl", "time/step_s"}
-        assert store.cursors() == list(range(30))
-        after = store.groups_after(4, status=None)
-        assert [len(g.trajectories) for g in after] == [4] * 10
-        original = {t.id: t for t in trajs}
-        assert all(canon(t) == canon(original[t.id]) for g in after for t in g.trajectories)
-        assert store.distinct("env") == ["calculator", "python_sandbox", "search_qa"]
-        assert "lookup" in store.distinct("tool")
-        rows = store.step_rewards()
-        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-        for row in rows:
-            mine = [t for t in trajs if STEPS[t.id] == row["step"]]
-            rewards = [t.reward for t in mine]
-            assert row["count"] == len(mine) == 20
-            assert row["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
-            assert (row["reward_min"], row["reward_max"]) == (min(rewards), max(rewards))
-            assert row["length_mean"] == pytest.approx(sum(len(t.token_ids) for t in mine) / len(mine))
-            assert row["errors"] == sum(t.error is not None for t in mine)
-            assert row["truncated"] == sum(t.truncated for t in mine)
-        assert store.distinct("error_class") == sorted({t.error.kind.value for t in trajs if t.error})
-        assert store.distinct("status") == ["dropped", "eval", "trained"]
 
 
 def test_metrics_keep_last_value_and_nan(tmp_path: Path) -> None:
@@ -310,6 +125,14 @@ def test_metrics_keep_last_value_and_nan(tmp_path: Path) -> None:
         got = store.metrics()
     assert got[0] == (1, {"a": -math.inf})
     assert got[1][0] == 3 and got[1][1]["a"] == 2.0 and math.isnan(got[1][1]["b"])
+
+
+def test_duplicate_id_is_refused(tmp_path: Path) -> None:
+    t = Trajectory(task_id="t", env="e", messages=[], token_ids=[], loss_mask=[], logprobs=[], versions=[])
+    with TrajectoryStore(tmp_path) as store:
+        store.add_trajectory(t, step=0, status="trained")
+        with pytest.raises(ValueError, match="already in"):
+            store.add_trajectory(t, step=0, status="trained")
 
 
 # ----------------------------------------------------------------------------- batching, readers, state
@@ -441,8 +264,9 @@ def test_kill_9_mid_stream_keeps_every_committed_row(tmp_path: Path) -> None:
         n = store.count()
         assert n >= reported and n % 5 == 0  # whole batches only
         assert store.get_state("cursor") == n  # the cursor committed with exactly its batch
-        ids = [r["id"] for r in store.query(order="oldest", limit=1000)]
-        ids += [r["id"] for r in store.query(order="oldest", limit=1000, offset=1000)]
+        q = TrajectoryQueries(store)
+        ids = [r["id"] for r in q.query(order="oldest", limit=1000)]
+        ids += [r["id"] for r in q.query(order="oldest", limit=1000, offset=1000)]
         assert ids[:n] == [f"traj-{i}" for i in range(n)][: len(ids)]
         for i in range(0, n, 37):
             t = store.get_trajectory(f"traj-{i}")
@@ -456,6 +280,18 @@ def test_kill_9_mid_stream_keeps_every_committed_row(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- export
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Trajectory]]:
+    """A synthetic run's store (with demonstrations in some prompts) plus a NaN-reward trajectory."""
+    path = tmp_path_factory.mktemp("synthetic") / STORE_FILENAME
+    with TrajectoryStore(path) as store:
+        groups = fill_store(store, steps=3, groups_per_step=4, group_size=4, seed=7)
+        odd = groups[0].trajectories[0]
+        nan_traj = Trajectory.from_dict({**odd.to_dict(), "id": "nan-reward", "reward": "nan"})
+        store.add_trajectory(nan_traj, step=None, status="eval")
+    return path, [*(t for g in groups for t in g.trajectories), nan_traj]
 
 
 def test_export_jsonl_and_parquet_load_in_datasets(
@@ -486,23 +322,73 @@ def test_export_jsonl_and_parquet_load_in_datasets(
             assert canon(back) == canon(want)
 
 
-def test_moving_a_group_to_another_step_keeps_step_stats_exact(tmp_path: Path) -> None:
-    with TrajectoryStore(tmp_path) as store:
-        groups = fill_store(store, steps=3, groups_per_step=2, group_size=3, seed=11)
-        moved = groups[0]  # stored at step 1
-        store.set_group_step(moved.id, step=3)
-        store.commit()
-        assert {r["step"] for r in store.group_members(moved.id)} == {3}
-        group = store.group(moved.id)
-        assert group is not None and group["step"] == 3
-        by_step: dict[int, list[Trajectory]] = {}
-        for g, step in zip(groups, [1, 1, 2, 2, 3, 3], strict=True):
-            by_step.setdefault(3 if g is moved else step, []).extend(g.trajectories)
-        rows = store.step_rewards()
-        assert [r["step"] for r in rows] == [1, 2, 3]
-        for row in rows:
-            rewards = [t.reward for t in by_step[row["step"]]]
-            assert row["count"] == len(rewards)
-            assert row["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
-            assert (row["reward_min"], row["reward_max"]) == (min(rewards), max(rewards))
-        assert store.count(TrajectoryFilter(step_min=3, step_max=3)) == 9
+# ----------------------------------------------------------------------------- schema 1 stores
+
+STORE_V1 = Path(__file__).parent / "data" / "store_v1.sqlite"
+"""A store written by agentrl's store as of commit c8a993c (schema 1): real SmolLM2-135M calculator
+episodes (two eval, one training group of 8) whose prompts carry two few-shot demonstrations, stored
+without `Trajectory.prompt_messages`. Schema 1 counted 6 turns and 3 tool calls for each (the
+demonstrations included), previewed the first demonstration and indexed it for search."""
+
+
+def _raw(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    db = sqlite3.connect(path)
+    try:
+        return {
+            table: db.execute(f"SELECT * FROM {table} ORDER BY 1, 2").fetchall()
+            for table in ("trajectory_data", "groups", "metrics", "state")
+        }
+    finally:
+        db.close()
+
+
+def test_a_schema_1_store_reads_as_is_and_upgrades_without_loss(tmp_path: Path) -> None:
+    from agentrl.store import upgrade_store
+
+    path = tmp_path / STORE_FILENAME
+    path.write_bytes(STORE_V1.read_bytes())
+    with TrajectoryStore(path, readonly=True) as old:
+        assert old.schema_version == 1
+        before = [canon(r.trajectory) for r in old.iter_records()]  # training-side reads need no upgrade
+        trajs = [r.trajectory for r in old.iter_records()]
+        with pytest.raises(ValueError, match=r"older agentrl.*upgrade"):
+            TrajectoryQueries(old)
+        stale = old.read("SELECT num_turns, num_tool_calls, preview FROM trajectories")
+        demo = trajs[0].messages[1].content  # the first demonstration's question
+        assert {(n, c) for n, c, _ in stale} == {(6, 3)} and len({p.split(" ⟶ ")[0] for *_, p in stale}) == 1
+        assert all(p.startswith(" ".join(demo.split())[:60]) for *_, p in stale)
+    raw = _raw(path)
+    assert all(t.prompt_messages is None and len(t.turns) == 2 for t in trajs)
+
+    assert upgrade_store(path) == 1
+    assert upgrade_store(path) is None
+    assert _raw(path) == raw  # documents, token arrays, groups, metrics and state untouched
+    with TrajectoryQueries.open(path) as q:
+        assert q.store.schema_version == 2 and q.store.integrity_check() == "ok"
+        assert [canon(r.trajectory) for r in q.store.iter_records()] == before
+        rows = {r["id"]: r for r in q.query(limit=100)}
+        for t in trajs:
+            row = rows[t.id]
+            assert row["num_turns"] == len(t.turns) == 2
+            assert row["num_tool_calls"] == sum(len(u.tool_calls) for u in t.turns) == 1
+            asked = t.messages[9].content  # the task: the user message after the two demonstrations
+            assert str(row["preview"]).startswith(" ".join(asked.split())[:100]), row["preview"]
+            assert t.messages[-1].content.strip()[:20] in str(row["preview"])
+        assert len({str(r["preview"]).split(" ⟶ ")[0] for r in rows.values()}) == 3  # 3 distinct tasks
+        assert q.count(TrajectoryFilter(search=demo)) == 0
+        assert q.count(TrajectoryFilter(search=trajs[0].messages[9].content)) >= 1
+        assert q.distinct("tool") == ["calculator"]
+        # eval episodes (step 0) no longer enter the per-step training stats
+        assert [r["step"] for r in q.step_rewards()] == [1]
+        assert q.step_rewards()[0]["count"] == 8
+
+
+def test_opening_a_schema_1_store_for_writing_upgrades_it(tmp_path: Path) -> None:
+    path = tmp_path / STORE_FILENAME
+    path.write_bytes(STORE_V1.read_bytes())
+    with TrajectoryStore(path) as store:  # what a resumed run does
+        assert store.schema_version == 2
+        assert {r[0] for r in store.read("SELECT num_turns FROM trajectories")} == {2}
+        store.add_trajectory(_traj(0), step=2, status="trained")
+    with TrajectoryQueries.open(path) as q:
+        assert q.count() == 11 and [r["step"] for r in q.step_rewards()] == [1, 2]

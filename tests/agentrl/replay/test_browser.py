@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from agentrl.chat import SimpleChatTokenizer
+from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.server import serve, settings_for_bind
 from agentrl.replay.synthetic import fill_store, synthetic_group
-from agentrl.store import STORE_FILENAME, TrajectoryFilter, TrajectoryStore
+from agentrl.store import STORE_FILENAME, TrajectoryStore
 
 expect: Any = pytest.importorskip("playwright.sync_api").expect
 
@@ -116,10 +117,10 @@ def test_overview_list_filter_and_open(server: str, page: Any, replay_run: Path,
     page.click("#nav-list")
     page.wait_for_selector("#traj-table tbody tr")
     assert page.locator("#traj-table tbody tr").count() == 50
-    with TrajectoryStore(replay_run, readonly=True) as store:
-        total = store.count()
-        n_python = store.count(TrajectoryFilter(env="python_sandbox", reward_min=1.0))
-        zero = store.count(TrajectoryFilter(search="ZeroDivisionError"))
+    with TrajectoryQueries.open(replay_run) as q:
+        total = q.count()
+        n_python = q.count(TrajectoryFilter(env="python_sandbox", reward_min=1.0))
+        zero = q.count(TrajectoryFilter(search="ZeroDivisionError"))
     assert page.locator("#match-count").text_content() == f"{total} matching"
 
     page.select_option("select[name=env]", "python_sandbox")
@@ -172,11 +173,9 @@ def test_playback_steps_turn_by_turn(server: str, page: Any) -> None:
 
 
 def test_token_colourings_and_hover(server: str, page: Any, replay_run: Path, tmp_path: Path) -> None:
-    with TrajectoryStore(replay_run, readonly=True) as store:
-        tid = str(
-            store.query(TrajectoryFilter(env="calculator", status="trained", step_max=5), limit=1)[0]["id"]
-        )
-        traj = store.get_trajectory(tid)
+    with TrajectoryQueries.open(replay_run) as q:
+        tid = str(q.query(TrajectoryFilter(env="calculator", status="trained", step_max=5), limit=1)[0]["id"])
+        traj = q.store.get_trajectory(tid)
     page.goto(server + f"/#/t/{tid}")
     page.click("#tab-tokens")
     page.wait_for_selector("#tokens span.tok")
@@ -220,9 +219,9 @@ def test_token_colourings_and_hover(server: str, page: Any, replay_run: Path, tm
 
 
 def test_group_view_side_by_side(server: str, page: Any, replay_run: Path, tmp_path: Path) -> None:
-    with TrajectoryStore(replay_run, readonly=True) as store:
-        row = store.query(TrajectoryFilter(env="search_qa"), limit=1)[0]
-        members = store.group_members(str(row["group_id"]))
+    with TrajectoryQueries.open(replay_run) as q:
+        row = q.query(TrajectoryFilter(env="search_qa"), limit=1)[0]
+        members = q.group_members(str(row["group_id"]))
     page.goto(server + f"/#/t/{row['id']}?tab=group")
     page.wait_for_selector("#siblings .sibling")
     cards = page.locator("#siblings .sibling")

@@ -19,8 +19,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from agentrl.chat import SimpleChatTokenizer
+from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.server import ReplaySettings, create_app, settings_for_bind
-from agentrl.store import STORE_FILENAME, TrajectoryFilter, TrajectoryStore
+from agentrl.store import STORE_FILENAME, TrajectoryStore
 from agentrl.types import Message, Trajectory
 
 
@@ -81,10 +82,9 @@ async def test_run_and_metrics(client: TestClient[Any, Any], replay_run: Path) -
 async def test_list_filters_and_cursor_pages_match_the_store(
     client: TestClient[Any, Any], replay_run: Path
 ) -> None:
-    with TrajectoryStore(replay_run, readonly=True) as store:
+    with TrajectoryQueries.open(replay_run) as q:
         want = [
-            r["id"]
-            for r in store.query(TrajectoryFilter(env="python_sandbox"), order="reward_desc", limit=1000)
+            r["id"] for r in q.query(TrajectoryFilter(env="python_sandbox"), order="reward_desc", limit=1000)
         ]
     got: list[str] = []
     cursor = ""
@@ -108,9 +108,9 @@ async def test_list_filters_and_cursor_pages_match_the_store(
 
 
 async def test_trajectory_payload_and_token_view(client: TestClient[Any, Any], replay_run: Path) -> None:
-    with TrajectoryStore(replay_run, readonly=True) as store:
-        row = store.query(TrajectoryFilter(env="python_sandbox", error="none"), limit=1)[0]
-        traj = store.get_trajectory(str(row["id"]))
+    with TrajectoryQueries.open(replay_run) as q:
+        row = q.query(TrajectoryFilter(env="python_sandbox", error="none"), limit=1)[0]
+        traj = q.store.get_trajectory(str(row["id"]))
     data = await get_json(client, f"/api/trajectories/{traj.id}")
     assert data["trajectory"]["id"] == traj.id and data["status"] in ("trained", "dropped")
     assert data["trajectory"]["messages"] == [m.to_dict() for m in traj.messages]
@@ -133,8 +133,8 @@ async def test_trajectory_payload_and_token_view(client: TestClient[Any, Any], r
 
 
 async def test_group_view(client: TestClient[Any, Any], replay_run: Path) -> None:
-    with TrajectoryStore(replay_run, readonly=True) as store:
-        gid = str(store.query(TrajectoryFilter(env="search_qa"), limit=1)[0]["group_id"])
+    with TrajectoryQueries.open(replay_run) as q:
+        gid = str(q.query(TrajectoryFilter(env="search_qa"), limit=1)[0]["group_id"])
     data = await get_json(client, f"/api/groups/{gid}")
     assert [m["sample_index"] for m in data["members"]] == [0, 1, 2, 3]
     assert data["group"]["size"] == 4
