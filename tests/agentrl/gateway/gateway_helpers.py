@@ -103,3 +103,26 @@ def assert_token_exact(traj: Trajectory, sampled: list[list[int]]) -> None:
     assert [x for x, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m] == [i for ids in sampled for i in ids]
     assert all(v >= 0 for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m)
     assert "retokenization_drift" in traj.metrics
+
+
+class RecordingEngine:
+    """Wraps an engine and keeps the ids of every completion it returned (what the engine sampled)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.sampled: list[list[int]] = []
+        self.policy_version = engine.policy_version
+
+    async def generate(self, prompt_ids: Any, sampling: Any) -> Any:
+        completion = await self.engine.generate(prompt_ids, sampling)
+        self.sampled.append(list(completion.ids))
+        return completion
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        await self.engine.update_weights(weights, version)
+
+    async def health(self) -> Any:
+        return await self.engine.health()
+
+    async def close(self) -> None:
+        await self.engine.close()
