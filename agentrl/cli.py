@@ -23,7 +23,7 @@ from rich.text import Text
 
 from agentrl.errors import AgentrlError
 
-CONTRIBUTED = ("agentrl.replay.cli", "agentrl.sandboxes.cli", "agentrl.train_cli")
+CONTRIBUTED = ("agentrl.replay.cli", "agentrl.sandboxes.cli", "agentrl.train_cli", "agentrl.gateway.cli")
 EXIT_USAGE = 2
 EXIT_CHECK_FAILED = 1
 

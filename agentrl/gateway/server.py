@@ -258,7 +258,11 @@ class Gateway:
         sid = body.get("id") if isinstance(body, dict) else None
         if sid is not None and (not isinstance(sid, str) or not sid.replace("-", "").replace("_", "").isalnum()):
             raise bad("id must be letters, digits, - or _", "id")
+        task = body.get("task", {}) if isinstance(body, dict) else {}
+        if not isinstance(task, dict):
+            raise bad("task must be a JSON object", "task")
         session = self.open_session(sid)
+        session.task = task
         return web.json_response({"id": session.id, "api_key": session.key, "base_url": self.base_url(session)})
 
     async def _reward(self, request: web.Request) -> web.Response:

@@ -128,6 +128,7 @@ class Session:
         self.reward: float | None = None
         self.breakdown: dict[str, float] = {}
         self.turn_rewards: dict[int, float] = {}
+        self.task: dict[str, JSON] = {}  # what the episode is about (stored on its trajectories by `agentrl gateway`)
         self._lock = asyncio.Lock()
         self._answers: OrderedDict[str, asyncio.Future[ChatResult]] = OrderedDict()
 
