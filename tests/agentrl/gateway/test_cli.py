@@ -42,7 +42,7 @@ def test_remote_agent_episodes_are_stored(tmp_path: Path) -> None:
         opened = httpx.post(f"{url}/sessions", json={"task": {"id": "t1", "question": "2 + 3"}}, headers=admin).json()
         client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0)
         messages = [{"role": "user", "content": "What is 2 + 3?"}]
-        with pytest.raises(openai.BadRequestError, match="temperature=1 differs from the trainer's temperature=0.7"):
+        with pytest.raises(openai.BadRequestError, match=r"temperature=1 differs from the trainer's temperature=0\.7"):
             client.chat.completions.create(model="policy", messages=messages, temperature=1.0)  # type: ignore[arg-type]
         first = client.chat.completions.create(model="policy", messages=messages, temperature=0.7)  # type: ignore[arg-type]
         call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
