@@ -488,6 +488,7 @@ class Conversation:
         self.tools = tools or None
         self.budgets = budgets
         self.messages: list[Message] = list(messages)
+        self.prompt_messages = len(self.messages)  # the opening: system prompt, demonstrations, task
         ids = tokenizer.encode(tokenizer.render(self.messages, tools=self.tools, add_generation_prompt=True))
         self.token_ids: list[int] = ids
         self.loss_mask: list[int] = [0] * len(ids)
@@ -652,9 +653,11 @@ class Conversation:
         return token_drift(self.token_ids + self._pending_close, reference)
 
     def to_trajectory(self, *, task_id: str, env: str, **fields: Any) -> Trajectory:
-        """A `Trajectory` with this conversation's tokens, messages, turns and drift metric."""
+        """The episode as a `Trajectory`: this conversation's tokens, messages, turns, prompt length
+        and drift metric, plus `fields` (reward, error, ids, ...). `run_episode` ends every episode here."""
         metrics = dict(fields.pop("metrics", {}))
         metrics.setdefault("retokenization_drift", self.retokenization_drift())
+        fields.setdefault("prompt_messages", self.prompt_messages)
         return Trajectory(
             task_id=task_id,
             env=env,

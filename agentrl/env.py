@@ -36,13 +36,27 @@ MIX_MEMBER_KEY = "_env"
 
 @dataclass(slots=True)
 class StepResult:
-    """What one `Env.step` returns (Gymnasium's 5-tuple, with messages as obs)."""
+    """What one `Env.step` returns: Gymnasium's 5-tuple with messages as the observation,
+    plus the typed signals the rollout records on the trajectory.
+
+    - `reward_breakdown`: named parts of `reward` (merged into `Trajectory.reward_breakdown`);
+    - `truncation_reason`: why a `truncated` step stopped the episode
+      (`Trajectory.truncation_reason`; "env" when not given);
+    - `tool_errors` / `tool_timeouts`: how many of this step's tool calls failed / timed
+      out (None: the step ran no tools); stored on the turn (`Turn.info`).
+
+    `info` is the env's own data: the rollout never reads it (the replay UI shows it).
+    """
 
     messages: list[Message]
     reward: float = 0.0
     terminated: bool = False
     truncated: bool = False
     info: dict[str, JSON] = field(default_factory=dict)
+    reward_breakdown: dict[str, float] = field(default_factory=dict)
+    truncation_reason: str | None = None
+    tool_errors: int | None = None
+    tool_timeouts: int | None = None
 
 
 @runtime_checkable
@@ -101,6 +115,17 @@ class Env(ABC):
     def prompt_tools(self) -> list[dict[str, Any]] | None:
         """The tool schemas the chat template renders into the prompt (None: no tools)."""
         return [tool.schema() for tool in self.tools] or None
+
+    def state_key(self) -> str | None:
+        """A key for the state the next model turn acts on; None when the env has none.
+
+        The rollout asks after `reset` and after every `step` and stores the
+        answer on the next turn (`Turn.info["state_key"]`). Turns of one group
+        with equal keys faced the same state: turn-level credit (GiGPO) compares
+        them. Without a key the rendered observation stands in
+        (`Trajectory.turn_states`).
+        """
+        return None
 
     def parse_action(self, text: str) -> Message:
         """Turn the model's decoded reply into an assistant message."""

@@ -170,7 +170,9 @@ def gym_env_class() -> Any:
             messages, info = self._run(self.env.reset(task, seed=seed))
             self._transcript = list(messages)
             # Fresh objects every call: callers may keep and mutate what they get.
-            info = copy.deepcopy({**info, "task": task, "messages": [m.to_dict() for m in messages]})
+            info = copy.deepcopy(
+                {**info, **_state_key_info(self.env), "task": task, "messages": [m.to_dict() for m in messages]}
+            )
             return render_messages(messages), info
 
         def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -178,7 +180,10 @@ def gym_env_class() -> Any:
             result = self._run(self.env.step(message))
             self._transcript.append(message)
             self._transcript.extend(result.messages)
-            info = copy.deepcopy({**result.info, "messages": [m.to_dict() for m in result.messages]})
+            info = copy.deepcopy(
+                {**result.info, **_signal_info(result), **_state_key_info(self.env),
+                 "messages": [m.to_dict() for m in result.messages]}
+            )
             return (
                 render_messages(result.messages),
                 float(result.reward),
@@ -200,6 +205,23 @@ def gym_env_class() -> Any:
                 self._runner = None
 
     return AgentrlGymEnv
+
+
+def _signal_info(result: StepResult) -> dict[str, Any]:
+    """A step's typed signals as gymnasium info keys (those it set)."""
+    out: dict[str, Any] = {}
+    if result.reward_breakdown:
+        out["reward_breakdown"] = dict(result.reward_breakdown)
+    for key in ("truncation_reason", "tool_errors", "tool_timeouts"):
+        value = getattr(result, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _state_key_info(env: Env) -> dict[str, Any]:
+    key = env.state_key()
+    return {} if key is None else {"state_key": key}
 
 
 def make_gym_env(plugins: Plugins, name: str, **kwargs: Any) -> Any:

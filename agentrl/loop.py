@@ -156,7 +156,6 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
                 try:
                     async for batch in _batches(rollouts.groups(), size):
                         done = await train_on(batch, progress, rollouts.metrics)
-                        rollouts.set_trainer_version(parts.trainer.policy_version)
                         for group, reason in rollouts.drain_dropped():
                             if reason != "stale":  # a stale group's task is sampled again, not consumed
                                 store.add_group(group, step=step, status=f"dropped:{reason}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -31,13 +32,15 @@ from agentrl.chat import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
 from agentrl.env import Env, EpisodeDriver, Task
 from agentrl.rollout_config import FailurePolicy, RolloutConfig
-from agentrl.rollout_episode import EpisodeFailure, classify, run_episode, within
+from agentrl.rollout_episode import EpisodeFailure, classify, run_episode
 from agentrl.rollout_metrics import RolloutMetrics
 from agentrl.types import EpisodeError, ErrorClass, Group, Trajectory, new_id
 
 __all__ = ["EpisodeFailure", "RolloutManager", "RolloutStalled", "classify", "run_episode"]
 
 CURSOR_KEY = "_cursor"  # a task's stream position, when the task stream sets one
+VERSION_POLL_S = 0.1
+"""How often a waiting gate looks at the version source again (it moves without telling the manager)."""
 
 
 class RolloutStalled(TimeoutError):
@@ -51,6 +54,11 @@ class RolloutManager:
     `task["_cursor"]` when present (agentrl.task_stream), else its index in
     `tasks`. `state()` tells which positions are done, in flight or queued for
     a re-run, so a resumed run neither skips nor repeats a task.
+
+    The staleness gate's clock is `trainer_version()`: by default the policy
+    version the engine serves, which moves when a training step's weights
+    reach the engine (`agentrl.wiring.sync_weights` checks it does), the moment
+    a new sample can carry them. Nobody needs to tell the manager.
     """
 
     def __init__(
@@ -61,7 +69,7 @@ class RolloutManager:
         tokenizer: ChatTokenizer,
         config: RolloutConfig,
         *,
-        start_version: int | None = None,
+        trainer_version: Callable[[], int] | None = None,
         seed: int = 0,
         stall_timeout_s: float = 3600.0,
         close_timeout_s: float = 60.0,
@@ -71,8 +79,9 @@ class RolloutManager:
         self.tokenizer = tokenizer
         self.config = config
         self._tasks: Iterator[Task] = iter(tasks)
-        self._version = engine.policy_version if start_version is None else start_version
-        self._v0 = self._version
+        self._trainer_version = trainer_version or (lambda: engine.policy_version)
+        self._v0 = self._trainer_version()
+        self._handover_version = self._v0  # the version at the last hand-over (rollout/trainer_version)
         self._seed = seed
         self._stall_timeout_s = stall_timeout_s
         self._close_timeout_s = close_timeout_s
@@ -112,31 +121,30 @@ class RolloutManager:
         """Finished groups, as the trainer takes them (an async iterator)."""
         self.start()
         while True:
+            self._notify()  # the consumer is back: the version may have moved since it took the last group
             item = await self._next_ready()
             if item is None:
                 return
             position, group = item
             oldest = group.oldest_version
-            lag = 0 if oldest is None else self._version - oldest
+            version = self.trainer_version
+            lag = 0 if oldest is None else version - oldest
             del self._live[position]
             if lag > self.config.max_staleness:
                 self._requeued.append((position, group.task))
                 self._drop(position, group, "stale", final=False)
                 continue
             self._handed += 1
+            self._handover_version = version
             self._done.add(position)
             self._metrics.handed_over(group, lag)
             self._notify()
             yield group
 
-    def set_trainer_version(self, version: int) -> None:
-        """The trainer finished a step and now holds `version`: the staleness gate moves."""
-        self._version = version
-        self._notify()
-
     @property
     def trainer_version(self) -> int:
-        return self._version
+        """The version the staleness gate counts from (the `trainer_version` source, read now)."""
+        return self._trainer_version()
 
     def state(self) -> dict[str, Any]:
         """The resume cursor: positions done, in flight (re-run them) and issued so far."""
@@ -144,13 +152,13 @@ class RolloutManager:
             "done": sorted(self._done),
             "in_flight": sorted({*self._live, *(p for p, _ in self._requeued)}),
             "issued": self._next_index,
-            "trainer_version": self._version,
+            "trainer_version": self.trainer_version,
         }
 
     def metrics(self) -> dict[str, float]:
         """Metrics since the previous call (per training step)."""
         out = self._metrics.take(queue_depth=len(self._ready), in_flight=self._episodes)
-        out["rollout/trainer_version"] = float(self._version)
+        out["rollout/trainer_version"] = float(self._handover_version)
         return out
 
     def drain_dropped(self) -> list[tuple[Group, str]]:
@@ -181,7 +189,9 @@ class RolloutManager:
             async with asyncio.timeout(self._stall_timeout_s):
                 while not ready():
                     self._changed.clear()
-                    await self._changed.wait()
+                    with contextlib.suppress(TimeoutError):  # the version source moves silently: look again
+                        async with asyncio.timeout(VERSION_POLL_S):
+                            await self._changed.wait()
         except TimeoutError:
             raise RolloutStalled(self._stall_report()) from None
 
@@ -193,9 +203,9 @@ class RolloutManager:
         if self._handed + len(self._live) >= allowed:
             parts.append(
                 f"staleness gate closed: {self._handed} groups handed over and {len(self._live)} live at trainer "
-                f"version {self._version} (started at {self._v0}); max_staleness={cfg.max_staleness} and "
-                f"groups_per_step={cfg.groups_per_step} allow {allowed} until the version moves. "
-                "Call set_trainer_version() after each training step, or raise max_staleness"
+                f"version {self.trainer_version} (started at {self._v0}); max_staleness={cfg.max_staleness} and "
+                f"groups_per_step={cfg.groups_per_step} allow {allowed} until the version moves "
+                "(a training step whose weights reach the engine moves it)"
             )
         if len(self._ready) + self._waiting_put >= cfg.queue_groups:
             parts.append(f"back-pressure: {len(self._ready)} finished groups not taken (queue_groups={cfg.queue_groups})")
@@ -206,7 +216,7 @@ class RolloutManager:
     def _groups_allowed(self) -> int:
         """Groups that may have started (handed over or live) at the trainer's current version."""
         cfg = self.config
-        return (self._version - self._v0 + cfg.max_staleness + 1) * cfg.groups_per_step
+        return (self.trainer_version - self._v0 + cfg.max_staleness + 1) * cfg.groups_per_step
 
     def _can_start(self) -> bool:
         cfg = self.config
@@ -270,9 +280,36 @@ class RolloutManager:
         return None
 
     async def _run_group(self, position: int, task: Task) -> None:
+        """Run the group's samples concurrently, then queue the group (or drop it).
+
+        The first sample whose failure policy drops the group stops its siblings.
+        """
         group_id = new_id()
         try:
-            trajectories, reason = await self._run_episodes(position, task, group_id)
+            jobs = [asyncio.create_task(self._sample(position, task, group_id, i)) for i in range(self.config.group_size)]
+            index_of = {job: i for i, job in enumerate(jobs)}
+            results: dict[int, list[Trajectory]] = {}
+            reason: str | None = None
+            pending: set[asyncio.Task[tuple[list[Trajectory], bool]]] = set(jobs)
+            try:
+                while pending and reason is None:
+                    # every episode is bounded by its own deadlines; this wait ends when they do
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for job in done:
+                        self._episodes -= 1
+                        trajs, keep = job.result()
+                        results[index_of[job]] = trajs
+                        if not keep and reason is None:
+                            error = trajs[0].error
+                            reason = f"error:{error.kind.value}" if error else "error"
+            finally:
+                self._episodes -= len(pending)
+                self._notify()
+                for job in pending:  # dropped early or cancelled: stop the siblings
+                    job.cancel()
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+            trajectories = [t for i in sorted(results) for t in results[i]]
             group = Group(task_id=str(task.get("id", "")), trajectories=trajectories, id=group_id, task=dict(task))
             if reason is None and self.config.dynamic_sampling and len(trajectories) > 1 and len(set(group.rewards)) == 1:
                 reason = "dynamic_sampling"
@@ -301,51 +338,18 @@ class RolloutManager:
         self._metrics.dropped[reason] += 1
         self._notify()
 
-    async def _run_episodes(
-        self, position: int, task: Task, group_id: str
-    ) -> tuple[list[Trajectory], str | None]:
-        """Run the group's episodes concurrently; stop early when one of them drops the group."""
-        size = self.config.group_size
-        jobs = [asyncio.create_task(self._episode(position, task, group_id, i)) for i in range(size)]
-        index_of = {job: i for i, job in enumerate(jobs)}
-        results: dict[int, list[Trajectory]] = {}
-        reason: str | None = None
-        pending: set[asyncio.Task[tuple[list[Trajectory], bool]]] = set(jobs)
-        try:
-            while pending and reason is None:
-                # every episode is bounded by its own deadlines; this wait ends when they do
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for job in done:
-                    self._episodes -= 1  # here, not in the episode: no await until the group is counted
-                    trajs, keep = job.result()
-                    results[index_of[job]] = trajs
-                    traj = trajs[0]
-                    if not keep and reason is None:
-                        reason = f"error:{traj.error.kind.value}" if traj.error else "error"
-        finally:
-            self._episodes -= len(pending)
-            self._notify()
-            if pending:  # dropped early or cancelled: stop the siblings
-                for job in pending:
-                    job.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-        return [t for i in sorted(results) for t in results[i]], reason
-
-    async def _episode(self, position: int, task: Task, group_id: str, index: int) -> tuple[list[Trajectory], bool]:
-        """One sample of a group with the failure policy applied: (its trajectories, keep them?).
+    async def _sample(self, position: int, task: Task, group_id: str, index: int) -> tuple[list[Trajectory], bool]:
+        """One sample of a group in a fresh env, with the failure policy applied: (its trajectories, keep them?).
 
         One trajectory per episode, except from an episode driver (`EpisodeDriver`, the `agent`
         env): its branch trajectories follow the first, in the same group, with the same fate.
         """
-        attempt = 0
-        while True:
-            seed = ((self._seed * 1_000_003 + position) * 1009 + index) * 31 + attempt
-            if self._slots.locked():
-                await within(self._slots.acquire(), self._stall_timeout_s)
-            else:  # a free slot: acquire() returns without suspending, no deadline needed
+        for attempt in itertools.count():
+            seed = (((self._seed * 1_000_003 + position) * 1009 + index) * 31 + attempt) % (2**62)
+            async with asyncio.timeout(self._stall_timeout_s):
                 await self._slots.acquire()
             try:
-                trajs = await self._one(task, group_id, index, seed % (2**62))
+                trajs = await self._episode(task, group_id, index, seed)
             finally:
                 self._slots.release()
             traj = trajs[0]
@@ -357,17 +361,17 @@ class RolloutManager:
                 for t in trajs:
                     t.reward = 0.0
                 return trajs, True
-            if policy is FailurePolicy.RETRY and attempt < self.config.max_retries:
-                attempt += 1
-                self._metrics.retries += 1
-                continue
-            return trajs, False
+            if policy is not FailurePolicy.RETRY or attempt >= self.config.max_retries:
+                return trajs, False
+            self._metrics.retries += 1
+        raise AssertionError("unreachable")
 
-    async def _one(self, task: Task, group_id: str, index: int, seed: int) -> list[Trajectory]:
+    async def _episode(self, task: Task, group_id: str, index: int, seed: int) -> list[Trajectory]:
+        """Build an env, play one episode in it, close it (its close may fail: the episode stands)."""
         try:
             env = self.env_factory()
         except Exception as e:
-            return [_failed(task, ErrorClass(classify(e, ErrorClass.ENV)), f"env_factory failed: {e}", group_id, index, seed)]
+            return [_failed(task, classify(e, ErrorClass.ENV), f"env_factory failed: {e}", group_id, index, seed)]
         try:
             if isinstance(env, EpisodeDriver):  # the env runs its own episode (the `agent` env: the gateway)
                 return await env.drive_episode(
@@ -377,9 +381,9 @@ class RolloutManager:
                 env, task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
             )]
         finally:
-            if getattr(env.close, "__func__", None) is not Env.close:  # Env.close does nothing: skip it
-                with contextlib.suppress(Exception):
-                    await within(env.close(), self.config.env_timeout_s)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.config.env_timeout_s):
+                    await env.close()
 
 
 def _failed(task: Task, kind: ErrorClass, message: str, group_id: str, index: int, seed: int) -> Trajectory:

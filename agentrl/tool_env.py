@@ -107,10 +107,10 @@ class ToolEnv(Env):
         if not action.tool_calls:
             result = await self.score(self._task, self.history)
             if isinstance(result, RewardResult):
-                info: dict[str, Any] = {"reward_breakdown": result.breakdown}
-                if result.info:
-                    info["reward_info"] = result.info
-                return StepResult(messages=[], reward=result.value, terminated=True, info=info)
+                info: dict[str, Any] = {"reward_info": result.info} if result.info else {}
+                return StepResult(
+                    messages=[], reward=result.value, terminated=True, info=info, reward_breakdown=result.breakdown
+                )
             return StepResult(messages=[], reward=float(result), terminated=True)
         limit = self.config.max_tool_calls_per_turn
         allowed, refused = action.tool_calls[:limit], action.tool_calls[limit:]
@@ -126,13 +126,14 @@ class ToolEnv(Env):
             for c, o in zip(action.tool_calls, outcomes, strict=True)
         ]
         self.history.extend(messages)
-        info = {
-            "tool_calls": len(action.tool_calls),
-            "tool_errors": sum(not o.ok for o in outcomes),
-            "tool_timeouts": sum(o.error == "timeout" for o in outcomes),
-        }
         reward = await self.turn_reward(action, outcomes)
-        return StepResult(messages=messages, reward=reward, info=info)
+        return StepResult(
+            messages=messages,
+            reward=reward,
+            info={"tool_calls": len(action.tool_calls)},
+            tool_errors=sum(not o.ok for o in outcomes),
+            tool_timeouts=sum(o.error == "timeout" for o in outcomes),
+        )
 
     async def run_call(self, call: ToolCall) -> ToolOutcome:
         """One call -> its outcome; never raises."""

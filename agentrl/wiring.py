@@ -170,10 +170,12 @@ async def sync_weights(engine: InferenceEngine, trainer: Any) -> dict[str, float
 
 
 def rollout_manager(config: RunConfig, parts: Parts, tasks: Iterable[Task]) -> RolloutManager:
-    """The run's rollout manager; its episode seeds derive from `run.seed` (other seed, other samples)."""
+    """The run's rollout manager; its episode seeds derive from `run.seed` (other seed, other samples).
+
+    Its staleness gate follows the policy version the engine serves: `sync_weights` moves it after each step.
+    """
     return RolloutManager(
-        parts.env_factory, tasks, parts.engine, parts.tokenizer, config.rollout,
-        start_version=parts.trainer.policy_version, seed=config.run.seed,
+        parts.env_factory, tasks, parts.engine, parts.tokenizer, config.rollout, seed=config.run.seed,
     )
 
 

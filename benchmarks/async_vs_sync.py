@@ -62,8 +62,7 @@ async def run_mode(staleness: int, args: argparse.Namespace) -> tuple[float, flo
             groups += len(batch)
             await asyncio.sleep(args.train_s)  # the optimizer step
             version += 1
-            engine.set_version(version)  # weights pushed to the engine
-            manager.set_trainer_version(version)
+            engine.set_version(version)  # weights pushed to the engine: the staleness gate moves with them
         wall = time.perf_counter() - start
         busy = (engine.busy_seconds() - busy0) / wall
         await stream.aclose()

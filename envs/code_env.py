@@ -177,7 +177,7 @@ class CodeEnv(Env):
             if last:
                 return StepResult(
                     messages=[], reward=0.0, truncated=True,
-                    info={"format_error": True, "truncation_reason": "max_attempts"},
+                    info={"format_error": True}, truncation_reason="max_attempts",
                 )
             note = "I found no ```python code block in your reply. Send the whole program in one block."
             return StepResult(messages=[Message(role="user", content=note)], info={"format_error": True})
@@ -191,9 +191,10 @@ class CodeEnv(Env):
             info.update(hidden_passed=passed, hidden_total=len(hidden))
             reward = passed / len(hidden) if hidden else 0.0
             done_ok = public_passed == len(public)
-            if not done_ok:
-                info["truncation_reason"] = "max_attempts"
-            return StepResult(messages=[], reward=reward, terminated=done_ok, truncated=not done_ok, info=info)
+            return StepResult(
+                messages=[], reward=reward, terminated=done_ok, truncated=not done_ok, info=info,
+                truncation_reason=None if done_ok else "max_attempts",
+            )
         return StepResult(messages=[Message(role="user", content=self.feedback(public))], info=info)
 
     def feedback(self, outcomes: Sequence[TestOutcome]) -> str:

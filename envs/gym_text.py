@@ -141,12 +141,12 @@ class GymTextEnv(Env):
             f"{RULES[self.cfg.game]}\nActions: {', '.join(self.actions)}. "
             "Reply with exactly one action as <action>NAME</action>.\n\n"
         )
-        return [Message(role="user", content=intro + self.render())], {"game": self.cfg.game, "state_key": self.state_key()}
+        return [Message(role="user", content=intro + self.render())], {"game": self.cfg.game}
 
     def state_key(self) -> str:
         """The game's own state (Gymnasium's observation) as a key: equal keys, equal boards.
 
-        Given with every reset and step, so turn-level credit (GiGPO) groups
+        The rollout reads it after every reset and step, so turn-level credit (GiGPO) groups
         turns that faced the same board however the text around it differed
         (an invalid-action note, say).
         """
@@ -211,16 +211,18 @@ class GymTextEnv(Env):
                 messages=[] if out_of_turns else [Message(role="user", content=note + self.render())],
                 reward=reward,
                 truncated=out_of_turns,
-                info={"invalid_action": True, "return": self._return, "state_key": self.state_key()}
-                | ({"truncation_reason": "invalid_actions" if self._steps < self.cfg.max_steps else "max_steps"}
-                   if out_of_turns else {}),
+                info={"invalid_action": True, "return": self._return},
+                truncation_reason=(
+                    ("invalid_actions" if self._steps < self.cfg.max_steps else "max_steps") if out_of_turns else None
+                ),
             )
         self._obs, game_reward, terminated, truncated, _ = self._game.step(self.actions.index(choice))
         reward = float(game_reward)
         self._return += reward
-        info: dict[str, JSON] = {"action": choice, "return": self._return, "state_key": self.state_key()}
+        info: dict[str, JSON] = {"action": choice, "return": self._return}
+        reason = None
         if truncated or (out_of_turns and not terminated):
-            info["truncation_reason"] = "game_time_limit" if truncated else "max_steps"
+            reason = "game_time_limit" if truncated else "max_steps"
         truncated = bool(truncated) or (out_of_turns and not terminated)
         done = bool(terminated) or truncated
         if done:
@@ -231,6 +233,7 @@ class GymTextEnv(Env):
             terminated=bool(terminated),
             truncated=truncated,
             info=info,
+            truncation_reason=reason,
         )
 
     async def close(self) -> None:

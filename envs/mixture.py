@@ -138,6 +138,9 @@ class MixEnv(Env):
             raise RuntimeError("step() called before reset()")
         return await self._current.step(action)
 
+    def state_key(self) -> str | None:
+        return self._current.state_key() if self._current is not None else None
+
     def parse_action(self, text: str) -> Message:
         return self._current.parse_action(text) if self._current is not None else super().parse_action(text)
 

@@ -336,14 +336,13 @@ async def test_staleness_zero_is_synchronous(tok: SimpleChatTokenizer) -> None:
             assert all(g.oldest_version == step for g in batch)
             await asyncio.sleep(0.05)  # give the producer every chance to start more
             assert manager.state()["issued"] == 2 * (step + 1), "an episode started beyond the step's batch"
-            eng.set_version(step + 1)
-            manager.set_trainer_version(step + 1)
+            eng.set_version(step + 1)  # the weights reach the engine: the staleness gate moves by itself
         assert manager.metrics()["rollout/staleness/0"] == 6
         await stream.aclose()
 
 
 async def test_a_consumer_that_never_moves_the_version_gets_a_stall_that_says_why(tok: SimpleChatTokenizer) -> None:
-    """Forgetting set_trainer_version() must not be a silent hang: the stall error names the closed gate."""
+    """A version that never moves must not be a silent hang: the stall error names the closed gate."""
     cfg = config(group_size=1, groups_per_step=1, max_staleness=0)
     async with RolloutManager(CalcEnv, tasks(5), engine(tok), tok, cfg, stall_timeout_s=0.3) as manager:
         stream = manager.groups()
@@ -353,7 +352,7 @@ async def test_a_consumer_that_never_moves_the_version_gets_a_stall_that_says_wh
             await asyncio.wait_for(anext(stream), 10)
     message = str(stalled.value)
     assert message.startswith("rollouts made no progress for 0.3s; staleness gate closed: 1 groups handed over")
-    assert "max_staleness=0 and groups_per_step=1 allow 1" in message and "set_trainer_version()" in message
+    assert "max_staleness=0 and groups_per_step=1 allow 1" in message and "weights reach the engine" in message
     assert isinstance(stalled.value, TimeoutError)  # what callers caught before still catches it
 
 
@@ -366,7 +365,7 @@ async def test_staleness_budget_allows_k_steps_ahead(tok: SimpleChatTokenizer) -
                 await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         assert manager.state()["issued"] == 6  # (0 + 2 + 1) steps x 2 groups, and not one more
-        manager.set_trainer_version(1)
+        eng.set_version(1)  # a step's weights reached the engine
         async with asyncio.timeout(10):
             while manager.state()["issued"] < 8:
                 await asyncio.sleep(0.01)
@@ -379,8 +378,7 @@ async def test_stale_groups_are_rerun_not_handed_over(tok: SimpleChatTokenizer) 
         async with asyncio.timeout(10):
             while len(manager._ready) < 2:
                 await asyncio.sleep(0.01)
-        eng.set_version(3)
-        manager.set_trainer_version(3)  # the buffered groups (version 0) are now 3 behind
+        eng.set_version(3)  # the buffered groups (version 0) are now 3 behind
         groups = await collect(manager)
         dropped = manager.drain_dropped()
     assert sorted(g.task_id for g in groups) == [f"t{i}" for i in range(6)], "a stale task was skipped"

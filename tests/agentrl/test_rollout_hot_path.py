@@ -1,6 +1,6 @@
 """The rollout hot path's shortcuts give exactly what the plain computations give.
 
-Covers the lazily armed `Deadlines`, `Sampling.for_turn`, SimpleChatTokenizer.encode,
+Covers the per-call deadlines (`bounded`), `Sampling.for_turn`, SimpleChatTokenizer.encode,
 the Conversation's memoised deltas and turn endings, the trajectory run_episode builds
 and the cheaper version scans on trajectories and groups.
 """
@@ -8,7 +8,6 @@ and the cheaper version scans on trajectories and groups.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import re
 import string
@@ -19,119 +18,49 @@ from hypothesis import strategies as st
 
 from agentrl.chat import Conversation, SimpleChatTokenizer, closing_remainder
 from agentrl.engines.base import Sampling
-from agentrl.rollout_episode import Deadlines, EpisodeTimeout, _Failed
+from agentrl.rollout_episode import EpisodeFailure, bounded
 from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
 from agentrl.types import Completion, ErrorClass, Group, Message, Trajectory, new_id
 
-# -- deadlines ----------------------------------------------------------------------------
+# -- per-call deadlines -------------------------------------------------------------------
 
 
-async def _armed_await(deadlines: Deadlines, delay_s: float, timeout_s: float) -> str:
-    deadlines.arm(timeout_s)
-    try:
-        await asyncio.sleep(delay_s)
-    except BaseException as e:
-        deadlines.fail(e, ErrorClass.ENV, "env.step", timeout_s)
-    return "done"
-
-
-async def test_a_blocking_await_past_its_deadline_is_a_classified_timeout() -> None:
-    deadlines = Deadlines(episode_timeout_s=60.0)
-    with pytest.raises(_Failed) as info:
-        await _armed_await(deadlines, 10.0, 0.02)
-    assert info.value.kind is ErrorClass.TIMEOUT and "env.step timed out after 0.02s" in str(info.value)
+async def test_a_blocking_call_past_its_deadline_is_a_classified_timeout() -> None:
+    with pytest.raises(EpisodeFailure) as info:
+        await bounded(asyncio.sleep(10.0), 0.02, ErrorClass.ENV, "env.step")
+    assert info.value.error_class is ErrorClass.TIMEOUT and "env.step timed out after 0.02s" in str(info.value)
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
-    deadlines.close()
 
 
-async def test_the_episode_deadline_caps_every_await() -> None:
-    deadlines = Deadlines(episode_timeout_s=0.03)
-    with pytest.raises(EpisodeTimeout):
-        await _armed_await(deadlines, 10.0, 60.0)
-    deadlines.close()
+async def test_a_failing_call_is_classified_with_its_default_class() -> None:
+    async def broken() -> None:
+        raise KeyError("x")
+
+    with pytest.raises(EpisodeFailure) as info:
+        await bounded(broken(), 5.0, ErrorClass.ENV, "env.step")
+    assert info.value.error_class is ErrorClass.ENV and "env.step failed: KeyError" in str(info.value)
 
 
-async def test_an_earlier_timer_moves_to_the_deadline_of_the_await_in_progress() -> None:
-    deadlines = Deadlines()
-    assert await _armed_await(deadlines, 0.0, 0.03) == "done"  # arms a timer 30 ms out
-    # this await's own deadline is later: the timer fires at 30 ms and moves, no timeout
-    assert await _armed_await(deadlines, 0.08, 5.0) == "done"
-    deadlines.close()
-
-
-async def test_a_swallowed_deadline_cancellation_is_taken_back() -> None:
-    deadlines = Deadlines()
-    deadlines.arm(0.01)
-    with contextlib.suppress(asyncio.CancelledError):  # code that swallows cancellation: the episode goes on
-        await asyncio.sleep(1.0)
-    assert deadlines.fired
-    deadlines.arm(5.0)
-    task = asyncio.current_task()
-    assert task is not None and task.cancelling() == 0 and not deadlines.fired
-    deadlines.close()
+async def test_the_episode_deadline_caps_every_call() -> None:
+    with pytest.raises(TimeoutError) as info:
+        async with asyncio.timeout(0.03):
+            await bounded(asyncio.sleep(10.0), 60.0, ErrorClass.ENV, "env.step")
+    assert not isinstance(info.value, EpisodeFailure)  # the episode's own timeout, not the call's
 
 
 async def test_a_cancellation_from_outside_propagates_unchanged() -> None:
     started = asyncio.Event()
 
     async def episode() -> str:
-        deadlines = Deadlines(episode_timeout_s=60.0)
-        try:
-            deadlines.arm(60.0)
-            started.set()
-            try:
-                await asyncio.sleep(3600)
-            except BaseException as e:
-                deadlines.fail(e, ErrorClass.ENV, "env.step", 60.0)
-            return "done"
-        finally:
-            deadlines.close()
+        started.set()
+        await bounded(asyncio.sleep(3600), 60.0, ErrorClass.ENV, "env.step")
+        return "done"
 
     job = asyncio.create_task(episode())
     await started.wait()
     job.cancel()
     with pytest.raises(asyncio.CancelledError):
         await job
-
-
-async def test_close_cancels_the_timer() -> None:
-    deadlines = Deadlines()
-    await _armed_await(deadlines, 0.0, 0.01)
-    deadlines.close()
-    await asyncio.sleep(0.03)  # the timer would have fired here
-    assert not deadlines.fired
-
-
-def test_deadlines_need_a_task() -> None:
-    async def no_task() -> None:
-        Deadlines()
-
-    coro = no_task()
-    loop = asyncio.new_event_loop()
-    try:
-        asyncio.set_event_loop(loop)
-        with pytest.raises(RuntimeError, match="inside an asyncio task"):
-            loop.run_until_complete(_drive_outside_a_task(coro))
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
-
-
-async def _drive_outside_a_task(coro: object) -> None:
-    """Step `coro` by hand from a callback, where no task is current."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-
-    def step() -> None:
-        try:
-            coro.send(None)  # type: ignore[attr-defined]
-        except StopIteration:
-            done.set_result(None)
-        except BaseException as e:
-            done.set_exception(e)
-
-    loop.call_soon(step)
-    await done
 
 
 # -- sampling -----------------------------------------------------------------------------

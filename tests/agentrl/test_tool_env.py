@@ -67,10 +67,10 @@ async def test_episode_with_tool_then_answer() -> None:
     (msg,) = result.messages
     assert msg.role == "tool" and msg.content == "5" and msg.tool_call_id == action.tool_calls[0].id
     assert msg.name == "add"
-    assert result.info == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0} and result.reward == 0.0
+    assert result.info == {"tool_calls": 1} and result.tool_errors == 0 and result.tool_timeouts == 0 and result.reward == 0.0
     final = await env.step(env.parse_action("Answer: 5"))
     assert final.terminated and final.messages == [] and final.reward == 1.0
-    assert final.info["reward_breakdown"] == {"correct": 1.0} and final.info["reward_info"] == {"seen": 4}
+    assert final.reward_breakdown == {"correct": 1.0} and final.info["reward_info"] == {"seen": 4}
 
 
 async def test_calls_run_concurrently_each_under_its_timeout() -> None:
@@ -84,7 +84,7 @@ async def test_calls_run_concurrently_each_under_its_timeout() -> None:
     contents = [m.content for m in result.messages]
     assert contents[:2] == ["waited 0.2", "waited 0.2"]
     assert contents[2] == "Error: tool 'wait' timed out after 0.3s"
-    assert result.info["tool_timeouts"] == 1 and result.info["tool_errors"] == 1
+    assert result.tool_timeouts == 1 and result.tool_errors == 1
     assert result.reward == pytest.approx(-0.1)
 
 
@@ -125,7 +125,7 @@ async def test_every_failure_is_a_readable_tool_message() -> None:
     assert "missing required argument 'b'" in contents[2]
     assert contents[3] == "Error: tool 'explode' raised RuntimeError: boom"
     assert contents[4].startswith("Error: could not read the tool call: the tool call is not valid JSON")
-    assert result.info["tool_errors"] == 5 and not result.terminated
+    assert result.tool_errors == 5 and not result.terminated
     assert [m.tool_call_id for m in result.messages] == [c.id for c in action.tool_calls]
 
 

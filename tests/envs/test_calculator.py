@@ -186,7 +186,7 @@ async def test_scripted_episode_solves_with_the_tool() -> None:
     assert results[0].messages[0].content == str(task["answer"]) and not results[0].terminated
     final = results[-1]
     assert final.terminated and final.reward == 1.0
-    assert final.info["reward_breakdown"] == {"correct": 1.0, "format": 1.0, "used_tool": 1.0}
+    assert final.reward_breakdown == {"correct": 1.0, "format": 1.0, "used_tool": 1.0}
     assert conv.retokenization_drift() == 0.0
     sampled = [t for t, m in zip(conv.token_ids, conv.loss_mask, strict=True) if m]
     assert SimpleChatTokenizer().decode(sampled) == (
@@ -201,7 +201,7 @@ async def test_wrong_answer_bad_calls_and_shaping() -> None:
     _, results = await play(
         env, task, [bad, "<tool_call>{broken</tool_call>", f"Answer: {task['answer'] + 1}"]
     )
-    assert results[0].messages[0].content.startswith("Error:") and results[0].info["tool_errors"] == 1
+    assert results[0].messages[0].content.startswith("Error:") and results[0].tool_errors == 1
     assert results[1].messages[0].content.startswith("Error: could not read the tool call")
     final = results[-1]
     assert final.reward == pytest.approx(0.1)  # wrong, formatted, no successful tool call

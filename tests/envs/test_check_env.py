@@ -91,7 +91,7 @@ async def test_installed_entry_points_build_envs_that_pass_with_their_default_re
         env = plugins.create_env("dataset", params["dataset"])
         await env.reset(next(iter(env.tasks())))
         result = await env.step(Message(role="assistant", content="2 + 2 = \\boxed{4}"))
-        assert result.reward == 1.0 and result.info["reward_breakdown"]["math"] == 1.0  # the real math verifier
+        assert result.reward == 1.0 and result.reward_breakdown["math"] == 1.0  # the real math verifier
         await env.close()
     finally:
         await shared_objects().aclose()

@@ -67,7 +67,7 @@ async def test_partial_credit_timeout_and_exhausted_attempts(local_sandbox: Any)
     assert "timeout" in spin.messages[0].content
     no_code = await env.step(Message(role="assistant", content="I give up."))
     assert no_code.truncated and not no_code.terminated and no_code.reward == 0.0
-    assert no_code.info["truncation_reason"] == "max_attempts"
+    assert no_code.truncation_reason == "max_attempts"
 
 
 async def test_last_attempt_is_graded_even_when_examples_fail(local_sandbox: Any) -> None:

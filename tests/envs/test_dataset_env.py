@@ -73,7 +73,7 @@ async def test_single_turn_episode_scored_by_the_chosen_reward(jsonl: Path) -> N
     assert [m.role for m in messages] == ["system", "user"]
     assert messages[1].content == f"Solve: {ROWS[0]['problem']}\nEnd with the number."
     good = await env.step(Message(role="assistant", content=f"0 + 3 = {ROWS[0]['solution']}"))
-    assert good.terminated and good.reward == 1.0 and good.info["reward_breakdown"]["last_number"] == 1.0
+    assert good.terminated and good.reward == 1.0 and good.reward_breakdown["last_number"] == 1.0
     await env.reset(task)
     bad = await env.step(Message(role="assistant", content="I think 7"))
     assert bad.terminated and bad.reward == 0.0
@@ -97,7 +97,7 @@ async def test_weighted_rewards_and_id_column_and_parquet(tmp_path: Path) -> Non
     await env.reset(task)
     result = await env.step(Message(role="assistant", content="3"))
     assert result.reward == pytest.approx(1.0 - 0.5 * 0.01)
-    assert result.info["reward_breakdown"] == {"exact": 1.0, "brevity": pytest.approx(-0.01)}
+    assert result.reward_breakdown == {"exact": 1.0, "brevity": pytest.approx(-0.01)}
 
 
 def test_config_errors_name_the_key(jsonl: Path) -> None:

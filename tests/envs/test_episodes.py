@@ -88,7 +88,8 @@ async def test_math_single_turn_episode_keeps_the_breakdown() -> None:
 async def test_gym_text_state_keys_name_the_board_each_turn_acted_on() -> None:
     env = GymTextEnv(GymTextEnv.Config(game="taxi", max_steps=3))
     task = next(iter(env.tasks()))
-    start = (await env.reset(task))[1]["state_key"]
+    await env.reset(task)
+    start = env.state_key()
     # turn 0: no action (the board stays), turn 1: a move, turn 2: acts on the new board
     traj = await episode(env, task, ["hmm", "<action>north</action>", "<action>south</action>"])
     keys = [t.info.get("state_key") for t in traj.turns]

@@ -69,7 +69,7 @@ async def test_taxi_rewards_and_truncation() -> None:
     assert move.info["action"] == "north" and move.reward == -1.0
     last = await env.step(say("<action>south</action>"))
     assert last.truncated and not last.terminated and last.messages == []
-    assert last.info["truncation_reason"] == "max_steps"
+    assert last.truncation_reason == "max_steps"
 
 
 async def test_blackjack_stick_ends_with_game_reward() -> None:
@@ -103,4 +103,4 @@ async def test_too_many_invalid_replies_truncate() -> None:
     await env.reset(next(iter(env.tasks())))
     results = [await env.step(say("hmm")) for _ in range(3)]
     assert [r.truncated for r in results] == [False, False, True]
-    assert results[-1].info["truncation_reason"] == "invalid_actions" and results[-1].messages == []
+    assert results[-1].truncation_reason == "invalid_actions" and results[-1].messages == []

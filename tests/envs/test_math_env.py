@@ -37,7 +37,7 @@ async def test_generated_problems_single_turn() -> None:
     messages, _ = await env.reset(train[0])
     assert "\\boxed" in messages[0].content and messages[1].content == train[0]["question"]
     right = await env.step(Message(role="assistant", content=f"It is \\boxed{{{train[0]['answer']}}}."))
-    assert right.terminated and right.reward == 1.0 and right.info["reward_breakdown"] == {"boxed": 1.0}
+    assert right.terminated and right.reward == 1.0 and right.reward_breakdown == {"boxed": 1.0}
 
 
 async def test_problems_from_file(tmp_path: Path) -> None:
