@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from agentrl.chat import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
-from agentrl.env import MIX_MEMBER_KEY, Env, Task
+from agentrl.env import MIX_MEMBER_KEY, Env, EpisodeDriver, Task
 from agentrl.rollout import run_episode
 from agentrl.rollout_config import RolloutConfig
 from agentrl.types import Trajectory
@@ -73,6 +73,12 @@ async def evaluate(
         async with semaphore:
             env = env_factory()
             try:  # every episode gets its own seed, so samples are independent draws
+                if isinstance(env, EpisodeDriver):  # the `agent` env: its main trajectory scores the episode
+                    trajs = await env.drive_episode(
+                        task, engine, tokenizer, config, seed=seed + t_index * n_samples + index,
+                        group_id=str(task["id"]), sample_index=index,
+                    )
+                    return trajs[0]
                 return await run_episode(
                     env, task, engine, tokenizer, config, seed=seed + t_index * n_samples + index,
                     group_id=str(task["id"]), sample_index=index,

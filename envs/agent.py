@@ -13,8 +13,10 @@ cancellation apply as for any env.
 The reward, first found wins: what `solve` returns (a number, a
 `{name: number}` breakdown summed, or a `RewardResult`); else the last
 ``POST /s/{session}/reward`` without a turn; else the `rewards` plugins
-scoring the final messages (of the branch that answered last). Per-turn
-rewards (``POST`` with ``turn``) land on the turns.
+scoring the final messages (of the branch that answered last); else 0.0 when
+a budget (`rollout.max_turns`, `max_total_tokens`) cut the agent off (its
+call got a 400 `context_length_exceeded`; the episode counts as truncated,
+not failed). Per-turn rewards (``POST`` with ``turn``) land on the turns.
 """
 
 from __future__ import annotations
@@ -225,6 +227,8 @@ class AgentEnv(Env):
         if result is None and self.config.rewards:
             rewards = build_rewards(self.config.rewards, plugins=self.plugins, prefix="env.rewards")
             result = await score_all(rewards, task, session.final_messages())
+        if result is None and session.truncation_reason is not None:  # cut off by a budget before it could answer
+            result = RewardResult(value=0.0)
         if result is None:
             raise ValueError("no reward: solve returned None, nothing was POSTed to /reward and env.rewards is empty")
         return result
