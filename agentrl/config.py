@@ -67,13 +67,16 @@ class RunSection(_Section):
         description="times the run restarts itself from its last checkpoint after a failure a restart can "
         "fix (a trainer rank that died or missed its deadline); 0 = stop with the error",
     )
-    gc_threshold: int = Field(
-        10_000,
-        ge=0,
-        description="collection threshold of the youngest generation of Python's garbage collector during the "
-        "run (Python's default, 700, makes collections walk queued trajectories every few episodes); "
-        "0 = leave the interpreter's setting",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "gc_threshold" in data:
+            raise ValueError(
+                f"run.gc_threshold={data['gc_threshold']!r}: this key was removed (agentrl no longer tunes "
+                "Python's garbage collector); delete it from the config"
+            )
+        return data
 
     @model_validator(mode="after")
     def _eval_samples_can_differ(self) -> RunSection:

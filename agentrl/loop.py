@@ -22,7 +22,6 @@ from rich.markup import escape
 from agentrl.alerts import RunAlerts
 from agentrl.config import RunConfig, dump_config
 from agentrl.errors import AgentrlError
-from agentrl.gc_tuning import gc_threshold
 from agentrl.metrics_log import MetricsLog, check_loggers
 from agentrl.progress import TrainProgress
 from agentrl.run_dir import RunDir
@@ -59,18 +58,17 @@ async def train(config: RunConfig, *, resume: Path | None = None) -> Path:
     stored is lost or trained twice.
     """
     attempt = _Attempt(RunDir.existing(resume) if resume else None)  # a bad --resume fails before the model loads
-    with gc_threshold(config.run.gc_threshold):
-        while True:
-            try:
-                return await _train_once(config, attempt)
-            except AgentrlError as e:
-                if not e.restartable or attempt.run is None or attempt.restarts >= config.run.max_restarts:
-                    raise
-                attempt.restarts += 1
-                Console(stderr=True).print(
-                    f"[bold yellow]restart {attempt.restarts}/{config.run.max_restarts}[/]: {escape(str(e))}; "
-                    f"resuming {attempt.run.path} from its last checkpoint"
-                )
+    while True:
+        try:
+            return await _train_once(config, attempt)
+        except AgentrlError as e:
+            if not e.restartable or attempt.run is None or attempt.restarts >= config.run.max_restarts:
+                raise
+            attempt.restarts += 1
+            Console(stderr=True).print(
+                f"[bold yellow]restart {attempt.restarts}/{config.run.max_restarts}[/]: {escape(str(e))}; "
+                f"resuming {attempt.run.path} from its last checkpoint"
+            )
 
 
 async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from agentrl.errors import AgentrlError
-from agentrl.gc_tuning import gc_threshold
 
 if TYPE_CHECKING:
     from agentrl.config import RunConfig
@@ -56,8 +55,7 @@ def eval_command(
         run_config.model.path = model
         if run_config.engine.model_extra is not None and "model" in run_config.engine.model_extra:
             run_config.engine.model_extra["model"] = model
-    with gc_threshold(run_config.run.gc_threshold):
-        result = asyncio.run(_evaluate(run_config, run_dir))
+    result = asyncio.run(_evaluate(run_config, run_dir))
     typer.echo(json.dumps(result, indent=2))
 
 

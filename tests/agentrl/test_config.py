@@ -359,3 +359,8 @@ def test_every_example_config_loads_and_lists_its_tasks(name: str) -> None:
     assert config.run.name == path.stem
     env = config.registry().create_env(config.env.name, config.env.params)
     assert next(iter(env.tasks("train")), None) is not None
+
+
+def test_a_removed_run_key_is_an_error_naming_it(plugins: Plugins) -> None:
+    message = error_of(plugins, {**BASE, "run": {"gc_threshold": 10_000}})
+    assert "run.gc_threshold=10000: this key was removed" in message and "delete it" in message

@@ -44,3 +44,12 @@ def test_each_measurement_counts_the_env_steps_it_ran(bench: ModuleType, mode: s
     per_episode = bench.TURNS * (8 if mode == "managed" else 1)  # managed takes groups of 8
     assert steps == n * per_episode
     assert wall_s > 0 and cpu_s >= 0
+
+
+def test_the_summary_line_reads_against_the_30k_floor(bench: ModuleType) -> None:
+    rates = {"managed": 45_000.0, "baseline": 90_000.0, "managed_cpu": 50_000.0, "baseline_cpu": 95_000.0,
+             "floor": 60_000.0}
+    line = bench.summary(rates)
+    assert line.startswith("env_steps_per_s=45000 baseline_steps_per_s=90000 overhead_us_per_step=11.1 ")
+    assert line.endswith("goal_env_steps_per_s=30000 meets_goal=yes")
+    assert bench.summary({**rates, "managed": 29_999.0}).endswith("meets_goal=no")
