@@ -285,7 +285,7 @@ def _arguments_model(fn: Callable[..., Any], name: str) -> type[BaseModel]:
         annotation = Any if hint is inspect.Parameter.empty else hint
         default = ... if param.default is inspect.Parameter.empty else param.default
         fields[pname] = (annotation, default)
-    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    model: type[BaseModel] = create_model(
         f"{name}_arguments", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True), **fields
     )
     return model

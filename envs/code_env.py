@@ -52,7 +52,7 @@ class CodeConfig(EnvConfig):
 
     problems_path: str | None = Field(None, description="JSONL of problems; default: the bundled set")
     sandbox: SandboxSpec = Field(
-        default_factory=SandboxSpec, description="runs the programs; one per distinct spec, shared by the run's envs"
+        default_factory=lambda: SandboxSpec(name="local"), description="runs the programs; one per distinct spec, shared by the run's envs"
     )
     max_attempts: int = Field(3, ge=1, description="programs the model may submit per episode")
     test_timeout_s: float = Field(5.0, gt=0, le=600, description="wall-clock limit of one program run on one test (seconds)")

@@ -88,7 +88,7 @@ class DatasetEnv(ToolCapableEnv):
 
     name: ClassVar[str] = "dataset"
     description: ClassVar[str] = "Tasks from an HF dataset or local JSONL/Parquet, scored by chosen verifiers"
-    Config: ClassVar[type[EnvConfig]] = DatasetConfig  # type: ignore[assignment]
+    Config: ClassVar[type[EnvConfig]] = DatasetConfig
 
     def __init__(
         self, config: DatasetConfig | None = None, *, rewards: Sequence[NamedReward] | None = None, plugins: Any = None

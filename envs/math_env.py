@@ -57,7 +57,7 @@ class MathConfig(ToolCapableConfig):
         100, ge=0, description="generated test problems (less repeats of train); 0 = none; ignored with problems_path"
     )
     system_prompt: str | None = Field(None, description="default: a prompt matching `mode`")
-    sandbox: SandboxSpec = Field(default_factory=SandboxSpec, description="runs the python tool")
+    sandbox: SandboxSpec = Field(default_factory=lambda: SandboxSpec(name="local"), description="runs the python tool")
     python_timeout_s: float = Field(5.0, gt=0, le=600, description="wall limit of one python run")
     python_memory_mb: int = Field(256, ge=16, description="memory limit of one python run (MB)")
 
@@ -73,7 +73,7 @@ class MathEnv(ToolCapableEnv):
 
     name: ClassVar[str] = "math"
     description: ClassVar[str] = "Math problems, single-turn or with a sandboxed Python tool; math verifier reward"
-    Config: ClassVar[type[EnvConfig]] = MathConfig  # type: ignore[assignment]
+    Config: ClassVar[type[EnvConfig]] = MathConfig
 
     def __init__(
         self,

@@ -83,7 +83,8 @@ class SkyRLGymEnv(Env):
                 task["env_class"] = self.cfg.env_class
             if not isinstance(task.get("prompt"), list):
                 raise ValueError(f"{split} row {n}: prompt must be a list of chat messages, got {type(task.get('prompt')).__name__}")
-            extra = task.get("extra_info") if isinstance(task.get("extra_info"), dict) else {}
+            extra_info = task.get("extra_info")
+            extra: dict[str, Any] = extra_info if isinstance(extra_info, dict) else {}
             task["id"] = f"{split}/{task.get('id', extra.get('index', n))}"
             out.append(task)
         return out

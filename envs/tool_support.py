@@ -34,7 +34,7 @@ class ToolCapableConfig(ToolEnvConfig):
 
     tools: list[str] = Field(default_factory=list, description="tool plugin names; empty = single-turn")
     rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(name="math")], min_length=1,
+        default_factory=lambda: [RewardSpec(name="math", weight=1.0)], min_length=1,
         description="reward plugins, weighted and summed (default: the math verifier)",
     )
 
