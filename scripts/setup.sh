@@ -16,16 +16,25 @@ for arg in "$@"; do
   esac
 done
 
+# pip stays quiet on success (-q) and still prints every error and warning.
+pip_install() { python -m pip install -q --disable-pip-version-check "$@"; }
+
 if [ ! -x .venv/bin/python ]; then
+  echo "creating .venv"
   python3 -m venv .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
+pip_install --upgrade pip
 # torch is pinned to the CPU wheel in pyproject (train extra); install it first
 # so no other requirement can pull a CUDA build.
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[$extras]"
+echo "installing torch 2.13.0 (CPU)"
+pip_install "torch==2.13.0"
+echo "installing agentrl (editable) with extras [$extras]"
+# setuptools notes on every editable install of this layout (envs/ -> agentrl.envs
+# ...) that it maps the packages with an import finder: "Editable installation.",
+# information, not a problem. That one message is silenced; any other warning shows.
+PYTHONWARNINGS="ignore:Editable installation" pip_install -e ".[$extras]"
 # PyPI's torchvision/torchaudio break `import transformers` beside this torch.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 if [ "$want_system" = 1 ]; then

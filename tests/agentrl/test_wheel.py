@@ -91,3 +91,22 @@ def test_wheel_installs_and_imports_all_three_packages(tmp_path: Path) -> None:
     assert "scripted" in out["groups"]["engines"]
     help_text = _run([str(venv / "bin" / "agentrl"), "--help"], cwd)
     assert "check-env" in help_text
+
+
+@pytest.mark.slow
+def test_building_gives_setuptools_nothing_to_warn_about(tmp_path: Path) -> None:
+    """Every shipped folder is a listed package and the license an SPDX string, so the builds that
+    `pip install` and `scripts/setup.sh` run print no warning (a user reads warnings as errors)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _copy_source(src)
+    for hook in ("build_wheel", "build_editable"):
+        out = tmp_path / hook
+        out.mkdir()
+        code = f"from setuptools import build_meta; build_meta.{hook}({str(out)!r})"
+        # default warning filters, as pip's build hooks run: setuptools' own warnings show
+        proc = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = (proc.stdout + proc.stderr).splitlines()
+        assert [line for line in lines if "Warning" in line] == [], hook
+        assert list(out.glob("agentrl-*.whl")), hook
