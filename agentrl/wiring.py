@@ -226,8 +226,10 @@ async def run_eval(config: RunConfig, parts: Parts, store: TrajectoryStore, *, s
     result = await evaluate_config(config, parts)
     for traj in result.trajectories:
         store.add_trajectory(traj, step=step, status="eval")
+    metrics = result.metrics()
+    store.add_metrics(step, metrics)  # beside the step's training metrics: the replay overview reads them
     store.commit()
-    return result.metrics()
+    return metrics
 
 
 async def warm_start(config: RunConfig, parts: Parts, store: TrajectoryStore, log: MetricsLog) -> None:
