@@ -353,7 +353,7 @@ class Plugins:
         self.engines: Registry[Any] = Registry("engines", _check_callable)
         self.trainers: Registry[Any] = Registry("trainers", _check_callable)
         self.tool_parsers: Registry[Any] = Registry("tool_parsers", _check_callable)
-        self._takes_plugins: dict[type[Env], bool] = {}  # per env class: does __init__ take `plugins=`?
+        self._env_keywords: dict[type[Env], tuple[str, ...]] = {}  # per env class: which of plugins=, resources=
 
     @classmethod
     def discover(cls, modules: Sequence[str | ModuleType] = (), *, entry_points: bool = True) -> Plugins:
@@ -422,19 +422,23 @@ class Plugins:
         assert isinstance(config, EnvConfig), f"env {name!r} Config must subclass EnvConfig"
         return config
 
-    def create_env(self, name: str, params: Mapping[str, Any] | None = None) -> Env:
+    def create_env(self, name: str, params: Mapping[str, Any] | None = None, *, resources: Any = None) -> Env:
         """Instantiate env `name` with validated `params`.
 
         An env whose constructor takes a `plugins` keyword gets this registry:
         the tools, rewards and sandboxes its config names then resolve against
         the run's plugins (the user's modules included), not a fresh discovery.
+        One that takes `resources` gets the run's `RunResources` (when given):
+        the sandboxes and verifiers it builds are shared by the run's envs and
+        closed with the run.
         """
         cls = self.envs.get(name)
         config = self.env_config(name, params)
-        takes = self._takes_plugins.get(cls)
+        takes = self._env_keywords.get(cls)
         if takes is None:  # inspect once per class: envs are built per episode
-            takes = self._takes_plugins[cls] = _takes_keyword(cls, "plugins")
-        return cls(config, plugins=self) if takes else cls(config)  # type: ignore[call-arg]
+            takes = self._env_keywords[cls] = tuple(k for k in ("plugins", "resources") if _takes_keyword(cls, k))
+        given = {"plugins": self, "resources": resources}
+        return cls(config, **{k: given[k] for k in takes if given[k] is not None})
 
     def create_sandbox(self, name: str, params: Mapping[str, Any] | None = None, *, prefix: str = "sandbox") -> Any:
         """Instantiate sandbox plugin `name` with `params` validated by its Config (errors name `prefix.key`).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.chat import ChatTokenizer, HFChatTokenizer
@@ -22,6 +22,7 @@ from agentrl.env import Env, Task
 from agentrl.errors import AgentrlError, ConfigError
 from agentrl.evaluation import EvalResult, evaluate, reward_by_env
 from agentrl.metrics_log import MetricsLog
+from agentrl.resources import RunResources
 from agentrl.rollout import RolloutManager
 from agentrl.store import TrajectoryStore
 from agentrl.types import Group, TrainSample
@@ -38,10 +39,11 @@ class Parts:
     engine: InferenceEngine
     tokenizer: ChatTokenizer
     trainer: Any  # agentrl.trainers.torch_trainer.TorchTrainer (torch-backed; typed loosely here)
+    resources: RunResources = field(default_factory=RunResources)  # sandboxes, verifiers: shared by the envs
 
     async def close(self) -> None:
         try:
-            await _close_parts(self.engine, self.probe)
+            await _close_parts(self.engine, self.probe, self.resources)
         finally:
             _close_trainer(self.trainer)
 
@@ -55,24 +57,29 @@ class EvalParts:
     test_tasks: list[Task]
     engine: InferenceEngine
     tokenizer: ChatTokenizer
+    resources: RunResources = field(default_factory=RunResources)
 
     async def close(self) -> None:
-        await _close_parts(self.engine, self.probe)
+        await _close_parts(self.engine, self.probe, self.resources)
 
 
-async def _close_parts(engine: InferenceEngine, probe: Env) -> None:
-    """Close the engine, then the probe env even if the engine's close failed."""
+async def _close_parts(engine: InferenceEngine, probe: Env, resources: RunResources) -> None:
+    """Close the engine, then the probe env, then what the envs shared, each even if the one before failed."""
     try:
         await engine.close()
     finally:
-        await probe.close()
+        try:
+            await probe.close()
+        finally:
+            await resources.aclose()
 
 
 def build_parts(config: RunConfig) -> Parts:
     """Construct env factory, tasks, tokenizer, trainer and engine from the config."""
     plugins = config.registry()
     model_path = resolve_model(config.model.path)
-    env_factory, probe = _env(config)
+    resources = RunResources()
+    env_factory, probe = _env(config, resources)
     train_tasks = _tasks(probe, "train", "env")
     if not train_tasks:
         raise ConfigError(f"env {config.env.name!r} has no tasks in its train split")
@@ -86,7 +93,7 @@ def build_parts(config: RunConfig) -> Parts:
     except BaseException:
         _close_trainer(trainer)
         raise
-    return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer)
+    return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer, resources)
 
 
 def _close_trainer(trainer: Any) -> None:
@@ -99,18 +106,23 @@ def _close_trainer(trainer: Any) -> None:
 def build_engine_only(config: RunConfig) -> EvalParts:
     """Env, held-out tasks, tokenizer and engine (for `agentrl eval`)."""
     model_path = resolve_model(config.model.path)
-    env_factory, probe = _env(config)
+    resources = RunResources()
+    env_factory, probe = _env(config, resources)
     test_tasks = _eval_tasks(config, probe, needed=True)
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
-    return EvalParts(env_factory, probe, test_tasks, _engine(config, model_path, tokenizer), tokenizer)
+    return EvalParts(env_factory, probe, test_tasks, _engine(config, model_path, tokenizer), tokenizer, resources)
 
 
-def _env(config: RunConfig) -> tuple[Callable[[], Env], Env]:
-    """The env factory and one probe env (it lists the tasks; the caller closes it)."""
+def _env(config: RunConfig, resources: RunResources) -> tuple[Callable[[], Env], Env]:
+    """The env factory and one probe env (it lists the tasks; the caller closes it).
+
+    Every env gets the run's plugins and `resources`: what its config names is found
+    in the run's registry, and its sandboxes and verifiers are the run's, closed with it.
+    """
     plugins = config.registry()
 
     def env_factory() -> Env:
-        return plugins.create_env(config.env.name, config.env.params)
+        return plugins.create_env(config.env.name, config.env.params, resources=resources)
 
     return env_factory, env_factory()
 

@@ -25,10 +25,10 @@ from pydantic import Field
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
 from agentrl.registry import PluginSpec
+from agentrl.resources import RunResources
 from agentrl.types import JSON, Message
 
-from .shared import shared_objects
-from .tool_support import resolve_plugins
+from .tool_support import resolve_plugins, run_resources
 
 _CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -119,12 +119,19 @@ class CodeEnv(Env):
     description: ClassVar[str] = "Write a program, see failing examples, retry; reward = hidden tests passed"
     Config: ClassVar[type[EnvConfig]] = CodeConfig
 
-    def __init__(self, config: EnvConfig | None = None, *, sandbox: Any = None, plugins: Any = None) -> None:
+    def __init__(
+        self,
+        config: EnvConfig | None = None,
+        *,
+        sandbox: Any = None,
+        plugins: Any = None,
+        resources: RunResources | None = None,
+    ) -> None:
         super().__init__(config)
         self.cfg: CodeConfig = self.config  # type: ignore[assignment]
-        self._sandbox = sandbox
-        self._sandbox_key: str | None = None
+        self._sandbox = sandbox  # given: used as it is; else the run's shared one, fetched on first use
         self._plugins = plugins
+        self.resources, self._owns_resources = run_resources(resources)
         self._problems: dict[str, dict[str, Any]] | None = None
         self._problem: dict[str, Any] | None = None
         self._attempts = 0
@@ -237,26 +244,22 @@ class CodeEnv(Env):
 
     async def sandbox(self) -> Any:
         """The given sandbox, else the run's shared one for `config.sandbox`."""
-        if self._sandbox is None:
-            self._sandbox_key, self._sandbox = acquire_sandbox(self.cfg.sandbox, self._plugins)
-        return self._sandbox
+        return self._sandbox or shared_sandbox(self.cfg.sandbox, self._plugins, self.resources)
 
     async def close(self) -> None:
-        if self._sandbox_key is not None:
-            shared_objects().release(self._sandbox_key)
-            self._sandbox, self._sandbox_key = None, None
+        if self._owns_resources:
+            await self.resources.aclose()
 
 
-def acquire_sandbox(spec: SandboxSpec, plugins: Any = None) -> tuple[str, Any]:
-    """The run's shared sandbox for `spec`, made on first use, and the key that releases it.
+def shared_sandbox(spec: SandboxSpec, plugins: Any, resources: RunResources) -> Any:
+    """The run's sandbox for `spec`, made on first use (one per distinct spec); the run closes it.
 
     `plugins` is the run's registry (None: discover, only when the sandbox is made).
     """
-    key = "sandbox:" + spec.model_dump_json()
-    sandbox = shared_objects().acquire(
-        key, lambda: resolve_plugins(plugins).create_sandbox(spec.name, spec.params, prefix="sandbox.params")
+    return resources.get(
+        "sandbox:" + spec.model_dump_json(),
+        lambda: resolve_plugins(plugins).create_sandbox(spec.name, spec.params, prefix="sandbox.params"),
     )
-    return key, sandbox
 
 
 def _cap(text: str, limit: int, keep: str = "start") -> str:

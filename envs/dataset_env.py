@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentrl.env import EnvConfig, Task
+from agentrl.resources import RunResources
 from agentrl.types import JSON, Message
 
 from .reward_specs import NamedReward
@@ -91,9 +92,14 @@ class DatasetEnv(ToolCapableEnv):
     Config: ClassVar[type[EnvConfig]] = DatasetConfig
 
     def __init__(
-        self, config: DatasetConfig | None = None, *, rewards: Sequence[NamedReward] | None = None, plugins: Any = None
+        self,
+        config: DatasetConfig | None = None,
+        *,
+        rewards: Sequence[NamedReward] | None = None,
+        plugins: Any = None,
+        resources: RunResources | None = None,
     ) -> None:
-        super().__init__(config, rewards=rewards, plugins=plugins)
+        super().__init__(config, rewards=rewards, plugins=plugins, resources=resources)
         self.cfg: DatasetConfig = self.config  # type: ignore[assignment]
         self._tasks: dict[str, list[Task]] = {}
 

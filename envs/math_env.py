@@ -23,13 +23,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from agentrl.env import EnvConfig, Task
+from agentrl.resources import RunResources
 from agentrl.tools import Tool, tool
 from agentrl.types import JSON, Message
 
-from .code_env import SandboxSpec, acquire_sandbox
+from .code_env import SandboxSpec, shared_sandbox
 from .reasoning_gym_env import ReasoningGymConfig, ReasoningGymEnv
 from .reward_specs import NamedReward
-from .shared import shared_objects
 from .tool_support import ToolCapableConfig, ToolCapableEnv
 
 SINGLE_PROMPT = "Solve the problem. Give the final answer as \\boxed{ANSWER}."
@@ -82,13 +82,13 @@ class MathEnv(ToolCapableEnv):
         rewards: Sequence[NamedReward] | None = None,
         sandbox: Any = None,
         plugins: Any = None,
+        resources: RunResources | None = None,
     ) -> None:
         cfg = config if config is not None else MathConfig.model_validate({})
         extra = [self._python_tool(cfg)] if cfg.mode == "tool" else []
-        super().__init__(cfg, rewards=rewards, extra_tools=extra, plugins=plugins)
+        super().__init__(cfg, rewards=rewards, extra_tools=extra, plugins=plugins, resources=resources)
         self.cfg: MathConfig = cfg
-        self._sandbox = sandbox
-        self._sandbox_key: str | None = None
+        self._sandbox = sandbox  # given: used as it is; else the run's shared one, fetched on first use
         self._generator: ReasoningGymEnv | None = None
         self._file_tasks: list[Task] | None = None
 
@@ -152,9 +152,8 @@ class MathEnv(ToolCapableEnv):
         """The `python` tool: run `code` in the sandbox, return what a person would see."""
         from agentrl.sandboxes.base import ExecRequest
 
-        if self._sandbox is None:
-            self._sandbox_key, self._sandbox = acquire_sandbox(self.cfg.sandbox, self.plugins)
-        result = await self._sandbox.run(
+        sandbox = self._sandbox or shared_sandbox(self.cfg.sandbox, self.plugins, self.resources)
+        result = await sandbox.run(
             ExecRequest(
                 code=code,
                 wall_timeout_s=self.cfg.python_timeout_s,
@@ -164,11 +163,6 @@ class MathEnv(ToolCapableEnv):
         )
         return format_exec_result(result)
 
-    async def close(self) -> None:
-        if self._sandbox_key is not None:
-            shared_objects().release(self._sandbox_key)
-            self._sandbox, self._sandbox_key = None, None
-        await super().close()
 
 
 def format_exec_result(result: Any) -> str:

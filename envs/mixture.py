@@ -34,9 +34,10 @@ from pydantic import Field, model_validator
 from agentrl.env import MIX_MEMBER_KEY as MEMBER_KEY
 from agentrl.env import Env, EnvConfig, StepResult, Task
 from agentrl.registry import PluginSpec
+from agentrl.resources import RunResources
 from agentrl.types import JSON, Message
 
-from .tool_support import resolve_plugins
+from .tool_support import resolve_plugins, run_resources
 
 
 class MemberSpec(PluginSpec):
@@ -81,10 +82,13 @@ class MixEnv(Env):
     description: ClassVar[str] = "several envs in one run, tasks drawn by weight; per-env metrics"
     Config: ClassVar[type[EnvConfig]] = MixConfig
 
-    def __init__(self, config: EnvConfig | None = None, *, plugins: Any = None) -> None:
+    def __init__(
+        self, config: EnvConfig | None = None, *, plugins: Any = None, resources: RunResources | None = None
+    ) -> None:
         super().__init__(config)
         self.cfg: MixConfig = self.config  # type: ignore[assignment]
         self.plugins = resolve_plugins(plugins)
+        self.resources, self._owns_resources = run_resources(resources)  # handed to every member
         self._members = {m.key: m for m in self.cfg.envs}
         self._listing: dict[str, Env] = {}  # one env per member for tasks() and demonstrations
         self._current: Env | None = None
@@ -92,7 +96,7 @@ class MixEnv(Env):
 
     def _build(self, label: str) -> Env:
         member = self._members[label]
-        env: Env = self.plugins.create_env(member.name, member.params)
+        env: Env = self.plugins.create_env(member.name, member.params, resources=self.resources)
         return env
 
     def _lister(self, label: str) -> Env:
@@ -162,6 +166,8 @@ class MixEnv(Env):
         finally:
             for env in listing:
                 await env.close()
+            if self._owns_resources:
+                await self.resources.aclose()
 
 
 def interleave(weights: dict[str, float], counts: dict[str, int]) -> list[tuple[str, int]]:

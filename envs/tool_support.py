@@ -7,12 +7,12 @@ tool call ends the episode with the reward from the configured reward plugins.
 With no tools at all the first reply ends the episode: single turn.
 
 Reward objects and sandboxes are shared between the env instances of a run
-(`agentrl.envs.shared`): the rollout manager builds one env per episode.
+through the run's `RunResources` (agentrl/resources.py): the rollout manager
+builds one env per episode, the run closes the shared objects at its end.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,13 +20,13 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from agentrl.env import Task
 from agentrl.registry import check_named_plugin
+from agentrl.resources import RunResources
 from agentrl.rewards import RewardResult
 from agentrl.tool_env import ToolEnv, ToolEnvConfig
 from agentrl.tools import Tool
 from agentrl.types import Message
 
 from .reward_specs import NamedReward, RewardSpec, build_reward, score_all
-from .shared import shared_objects
 
 
 class ToolCapableConfig(ToolEnvConfig):
@@ -44,6 +44,11 @@ class ToolCapableConfig(ToolEnvConfig):
         for name in names:
             check_named_plugin(info.context, "tools", name)
         return names
+
+
+def run_resources(resources: RunResources | None) -> tuple[RunResources, bool]:
+    """The run's resources, or a private set the env owns (and closes) when built outside a run."""
+    return (resources, False) if resources is not None else (RunResources(), True)
 
 
 def resolve_plugins(plugins: Any) -> Any:
@@ -66,31 +71,29 @@ class ToolCapableEnv(ToolEnv):
         rewards: Sequence[NamedReward] | None = None,
         extra_tools: Sequence[Tool] = (),
         plugins: Any = None,
+        resources: RunResources | None = None,
     ) -> None:
         cfg = config if config is not None else self.Config.model_validate({})
         assert isinstance(cfg, ToolCapableConfig)
         self.plugins = plugins
+        self.resources, self._owns_resources = run_resources(resources)
         named: list[Tool] = []
         if cfg.tools:
             self.plugins = resolve_plugins(plugins)
             named = [self.plugins.tools.get(name) for name in cfg.tools]
         super().__init__(cfg, tools=[*extra_tools, *named])
-        self._given_rewards = list(rewards) if rewards is not None else None
-        self._acquired: list[str] = []
-        self._rewards: list[NamedReward] | None = self._given_rewards
+        self._rewards: list[NamedReward] | None = list(rewards) if rewards is not None else None
 
     async def rewards(self) -> list[NamedReward]:
         """The reward objects of this env (shared with the other envs of the run)."""
         if self._rewards is None:
-            shared = shared_objects()
             out: list[NamedReward] = []
             for i, spec in enumerate(self.config.rewards):
-                key = "reward:" + spec.model_dump_json()
-                if key not in shared:
+                def build(spec: RewardSpec = spec, where: str = f"rewards[{i}]") -> Any:
                     self.plugins = resolve_plugins(self.plugins)
-                obj = shared.acquire(key, functools.partial(build_reward, spec, self.plugins, where=f"rewards[{i}]"))
-                self._acquired.append(key)
-                out.append((spec.name, spec.weight, obj))
+                    return build_reward(spec, self.plugins, where=where)
+
+                out.append((spec.name, spec.weight, self.resources.get("reward:" + spec.model_dump_json(), build)))
             self._rewards = out
         return self._rewards
 
@@ -98,10 +101,6 @@ class ToolCapableEnv(ToolEnv):
         return await score_all(await self.rewards(), task, messages)
 
     async def close(self) -> None:
-        if self._acquired:
-            shared = shared_objects()
-            for key in self._acquired:
-                shared.release(key)
-            self._acquired = []
-            self._rewards = self._given_rewards
+        if self._owns_resources:
+            await self.resources.aclose()
         await super().close()

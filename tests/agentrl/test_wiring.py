@@ -9,6 +9,7 @@ import pytest
 from agentrl.chat import SimpleChatTokenizer
 from agentrl.config import RunConfig, resolve_config
 from agentrl.engines.scripted import ScriptedEngine
+from agentrl.resources import RunResources
 from agentrl.testing_envs import TrivialEnv
 from agentrl.wiring import EvalParts, Parts, rollout_manager
 
@@ -27,17 +28,20 @@ class BrokenEngine(ScriptedEngine):
         raise RuntimeError("engine close failed")
 
 
-async def test_closing_the_parts_closes_the_probe_env() -> None:
+async def test_closing_the_parts_closes_the_probe_env_and_the_run_resources() -> None:
     tokenizer = SimpleChatTokenizer()
     probe = ClosingEnv()
-    parts = EvalParts(ClosingEnv, probe, [], ScriptedEngine(tokenizer=tokenizer), tokenizer)
+    resources = RunResources()
+    sandbox = resources.get("sandbox:x", ClosingEnv)  # anything with an async close()
+    parts = EvalParts(ClosingEnv, probe, [], ScriptedEngine(tokenizer=tokenizer), tokenizer, resources)
     await parts.close()
-    assert probe.closed == 1
+    assert probe.closed == 1 and sandbox.closed == 1 and len(resources) == 0
 
-    broken = EvalParts(ClosingEnv, probe, [], BrokenEngine(tokenizer=tokenizer), tokenizer)
+    again = resources.get("sandbox:x", ClosingEnv)
+    broken = EvalParts(ClosingEnv, probe, [], BrokenEngine(tokenizer=tokenizer), tokenizer, resources)
     with pytest.raises(RuntimeError, match="engine close failed"):
         await broken.close()
-    assert probe.closed == 2
+    assert probe.closed == 2 and again.closed == 1  # closed even though the engine's close failed
 
 
 async def _seeds(config: RunConfig) -> list[int | None]:

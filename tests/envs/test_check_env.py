@@ -16,6 +16,7 @@ from agentrl.envs.dataset_env import DatasetEnv
 from agentrl.envs.gym_text import GymTextEnv
 from agentrl.envs.math_env import MathEnv
 from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
+from agentrl.resources import RunResources
 from agentrl.rewards import RewardResult
 from agentrl.testing import acheck_env
 from agentrl.types import Message
@@ -68,7 +69,6 @@ async def test_code_env_passes_check_env(local_sandbox: Any) -> None:
 
 async def test_installed_entry_points_build_envs_that_pass_with_their_default_rewards(tmp_path: Path) -> None:
     """By name through the registry, as `agentrl train`/`check-env` do: real verifier, real sandbox."""
-    from agentrl.envs.shared import shared_objects
     from agentrl.registry import Plugins
 
     plugins = Plugins.discover()
@@ -83,15 +83,16 @@ async def test_installed_entry_points_build_envs_that_pass_with_their_default_re
         "gym_text": {"game": "taxi", "max_steps": 3},
         "dataset": {"source": {"path": str(data)}, "test_fraction": 0.0},
     }
+    resources = RunResources()  # as in a run: the verifiers and sandboxes are shared and closed at the end
     try:
         for name, p in params.items():
-            env = plugins.create_env(name, p)
+            env = plugins.create_env(name, p, resources=resources)
             report = await acheck_env(env, policy=replying("\\boxed{4} <answer>4</answer> <action>north</action>"))
             assert report.episodes >= 1, name
-        env = plugins.create_env("dataset", params["dataset"])
+        env = plugins.create_env("dataset", params["dataset"], resources=resources)
         await env.reset(next(iter(env.tasks())))
         result = await env.step(Message(role="assistant", content="2 + 2 = \\boxed{4}"))
         assert result.reward == 1.0 and result.reward_breakdown["math"] == 1.0  # the real math verifier
         await env.close()
     finally:
-        await shared_objects().aclose()
+        await resources.aclose()

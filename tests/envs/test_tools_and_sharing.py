@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import types
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from agentrl.engines.scripted import ScriptedEngine
 from agentrl.envs.code_env import CodeEnv
 from agentrl.envs.dataset_env import DatasetEnv
 from agentrl.envs.math_env import MathEnv
-from agentrl.envs.shared import shared_objects
+from agentrl.resources import RunResources
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import run_episode
 from agentrl.types import Trajectory
@@ -29,15 +27,14 @@ def add(a: int, b: int) -> int:
 
 
 @pytest.fixture
-async def plugins() -> AsyncIterator[agentrl.Plugins]:
+def plugins() -> agentrl.Plugins:
     """Registry with the real math verifier, the local sandbox and a user-module tool (no entry points)."""
     module = types.ModuleType("user_tools")
     module.add = add  # type: ignore[attr-defined]
     found = agentrl.Plugins.discover([module], entry_points=False)
     found.rewards.add("math", "agentrl.sandboxes.verifiers.math:MathVerifier", source="test")
     found.sandboxes.add("local", "agentrl.sandboxes.local:LocalSandbox", source="test")
-    yield found
-    await shared_objects().aclose()  # verifier worker processes and sandbox pools
+    return found
 
 
 async def play(env: agentrl.Env, task: agentrl.Task, replies: list[str]) -> Trajectory:
@@ -88,24 +85,34 @@ async def test_dataset_env_with_a_plugin_tool(tmp_path: Path, plugins: agentrl.P
     assert bad.messages[2].role == "tool" and bad.messages[2].content.startswith("Error") and bad.reward == 0.0
 
 
-async def test_envs_of_a_run_share_one_sandbox_closed_after_the_last(plugins: agentrl.Plugins) -> None:
-    shared = shared_objects()
-    shared.linger_s = 0.0
-    first, second = CodeEnv(plugins=plugins), CodeEnv(plugins=plugins)
+async def test_envs_of_a_run_share_one_sandbox_closed_with_the_run(plugins: agentrl.Plugins) -> None:
+    resources = RunResources()  # what `Parts` holds for a run
+    first, second = CodeEnv(plugins=plugins, resources=resources), CodeEnv(plugins=plugins, resources=resources)
     sandbox = await first.sandbox()
-    assert await second.sandbox() is sandbox and len(shared) == 1
+    assert await second.sandbox() is sandbox and len(resources) == 1
     await first.close()
-    await asyncio.sleep(0.01)
-    assert not sandbox.closed  # still in use by `second`
     await second.close()
-    for _ in range(100):
-        if sandbox.closed:
-            break
-        await asyncio.sleep(0.01)
-    assert sandbox.closed and len(shared) == 0
-    third = CodeEnv(plugins=plugins)
-    assert await third.sandbox() is not sandbox  # a fresh one after the last release
-    await third.close()
+    assert not sandbox.closed  # the run's, not the envs': the next episode's env uses it again
+    await resources.aclose()
+    assert sandbox.closed and len(resources) == 0
+
+
+async def test_an_env_built_outside_a_run_closes_its_own_sandbox(plugins: agentrl.Plugins) -> None:
+    env, other = CodeEnv(plugins=plugins), CodeEnv(plugins=plugins)
+    sandbox = await env.sandbox()
+    assert await other.sandbox() is not sandbox  # no hidden sharing between unrelated envs
+    await env.close()
+    await other.close()
+    assert sandbox.closed
+
+
+async def test_create_env_hands_the_run_resources_to_the_env(plugins: agentrl.Plugins) -> None:
+    plugins.envs.add("code", "agentrl.envs.code_env:CodeEnv", source="test")
+    resources = RunResources()
+    env = plugins.create_env("code", {}, resources=resources)
+    assert isinstance(env, CodeEnv) and env.resources is resources
+    await env.close()
+    await resources.aclose()
 
 
 async def test_create_env_hands_the_run_plugins_to_the_env(tmp_path: Path, plugins: agentrl.Plugins) -> None:
