@@ -103,7 +103,8 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
         """One optimizer step, weight sync, store + metrics + checkpoint; True when the run is done."""
         nonlocal step
         started = time.perf_counter()
-        metrics = await _off_thread(lock, parts.trainer.train_step, batch)
+        result = await _off_thread(lock, parts.trainer.train_step, batch)
+        metrics = result.metrics
         step += 1
         metrics |= await sync_weights(parts.engine, parts.trainer)
         metrics |= extra() | batch_metrics(batch, parts.trainer.policy_version)
@@ -113,6 +114,9 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
         fired = alerts.check(metrics)
         metrics |= {f"alerts/{alert.name}": 1.0 for alert in fired}
         for group in batch:
+            for traj in group.trajectories:  # the trainer's per-token values, for the replay token view
+                if traj.id in result.token_stats:
+                    traj.info["token_stats"] = result.token_stats[traj.id]
             if group.id in stored:
                 store.set_group_step(group.id, step=step)
             else:

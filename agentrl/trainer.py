@@ -13,7 +13,9 @@ them (the `torch` trainer in this process, the `ray` group of ranks):
   `extra_state` it was saved with (the loop keeps its step there).
 - `policy_version`: how many updates the weights have had; every update
   (RL or SFT) adds one, and engines serve weights under this number.
-- `close()`: end what the trainer runs besides this process (ray ranks).
+
+A trainer that runs processes of its own (the `ray` group's ranks) may also
+have a `close()`; the run calls it when it ends.
 
 The implementations live in `agentrl.trainers` (torch); this module only names
 the shape, so the core can type `Parts.trainer` without importing torch.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from agentrl.engines.base import WeightSource
@@ -61,8 +64,11 @@ class Trainer(Protocol):
 
     def state_for_engines(self) -> WeightSource: ...
 
-    def save(self, path: str, extra_state: Mapping[str, JSON] | None = None) -> None: ...
+    def save(self, path: str | Path, extra_state: Mapping[str, JSON] | None = None) -> None: ...
 
-    def load(self, path: str) -> dict[str, Any]: ...
+    def load(self, path: str | Path) -> dict[str, Any]: ...
 
-    def close(self) -> None: ...
+
+def group_samples(groups: Sequence[Group]) -> list[list[TrainSample]]:
+    """The trainer's view (`Trajectory.tokens()`) of each group's trajectories, group by group; empty groups dropped."""
+    return [[t.tokens() for t in g.trajectories] for g in groups if g.trajectories]

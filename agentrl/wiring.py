@@ -11,7 +11,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from agentrl.chat import ChatTokenizer, HFChatTokenizer
 from agentrl.config import RunConfig
@@ -25,6 +24,7 @@ from agentrl.metrics_log import MetricsLog
 from agentrl.resources import RunResources
 from agentrl.rollout import RolloutManager
 from agentrl.store import TrajectoryStore
+from agentrl.trainer import Trainer
 from agentrl.types import Group, TrainSample
 
 
@@ -38,7 +38,7 @@ class Parts:
     test_tasks: list[Task]
     engine: InferenceEngine
     tokenizer: ChatTokenizer
-    trainer: Any  # agentrl.trainers.torch_trainer.TorchTrainer (torch-backed; typed loosely here)
+    trainer: Trainer  # agentrl.trainer.Trainer: the torch trainer, the ray group, or a user's
     resources: RunResources = field(default_factory=RunResources)  # sandboxes, verifiers: shared by the envs
 
     async def close(self) -> None:
@@ -87,7 +87,7 @@ def build_parts(config: RunConfig) -> Parts:
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
     trainer_cls = plugins.registry("trainers").get(config.trainer.name)
     trainer_config = config.trainer.config or trainer_cls.Config(**config.trainer.params)
-    trainer = trainer_cls(trainer_config, model_path)
+    trainer: Trainer = trainer_cls(trainer_config, model_path)
     try:
         engine = _engine(config, model_path, tokenizer)
     except BaseException:
@@ -96,8 +96,8 @@ def build_parts(config: RunConfig) -> Parts:
     return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer, resources)
 
 
-def _close_trainer(trainer: Any) -> None:
-    """End a trainer that runs processes of its own (the `ray` group); the `torch` trainer has nothing to end."""
+def _close_trainer(trainer: Trainer) -> None:
+    """End a trainer that runs processes of its own (the `ray` group: its optional `close()`)."""
     close = getattr(trainer, "close", None)
     if close is not None:
         close()
@@ -153,7 +153,7 @@ def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> Inf
     return engine
 
 
-async def sync_weights(engine: InferenceEngine, trainer: Any) -> dict[str, float]:
+async def sync_weights(engine: InferenceEngine, trainer: Trainer) -> dict[str, float]:
     """Push the trainer's current weights to the engine, check the engine took them, and measure the push.
 
     The check is the version handshake: after `update_weights(w, v)` the

@@ -176,7 +176,7 @@ def compute_advantages(
             episode = torch.tensor([_episode_return(r, s) for r, s in zip(group_rets, group, strict=True)])
             advs.extend(_group_baseline(group_rets, episode, estimator, eps, masks[i - len(group) : i]))
             rets.extend(group_rets)
-        return Advantages(advs, rets, _adv_metrics(advs, masks, samples))
+        return Advantages(advs, rets, _adv_metrics(advs, masks))
 
     token_r = [token_rewards(s) for s in samples]
     if flat_kl is not None:
@@ -184,7 +184,7 @@ def compute_advantages(
     if estimator == "reinforce_pp":
         rets = [discounted_returns(r, m, gamma) for r, m in zip(token_r, masks, strict=True)]
         advs = whiten(rets, masks, eps)
-        return Advantages(advs, rets, _adv_metrics(advs, masks, samples))
+        return Advantages(advs, rets, _adv_metrics(advs, masks))
     if estimator == "gae":
         if values is None:
             raise ValueError("advantage 'gae' needs critic values")
@@ -192,7 +192,7 @@ def compute_advantages(
         pairs = [gae(r, v, m, gamma, lam) for r, v, m in zip(token_r, flat_v, masks, strict=True)]
         advs = whiten([a for a, _ in pairs], masks, eps)
         rets = [r for _, r in pairs]
-        return Advantages(advs, rets, _adv_metrics(advs, masks, samples))
+        return Advantages(advs, rets, _adv_metrics(advs, masks))
     raise ValueError(
         f"unknown advantage estimator {estimator!r}; allowed: grpo, dr_grpo, rloo, reinforce_pp, gae, "
         "turn_rloo, gigpo"
@@ -228,7 +228,7 @@ def _turn_advantages(
             totals = {k: totals[k] + counts[k] for k in totals}
         rets.extend(turn_credit.per_token(group, tables))
         i += len(group)
-    metrics = _adv_metrics(advs, masks, samples)
+    metrics = _adv_metrics(advs, masks)
     if estimator == "gigpo" and totals["turns"]:
         metrics["adv/step_grouped_fraction"] = totals["grouped_turns"] / totals["turns"]
         metrics["adv/step_groups"] = totals["step_groups"]
@@ -270,15 +270,9 @@ def _group_baseline(
     return [(r - mean) / (std + eps) * m for r, m in zip(returns, masks, strict=True)]
 
 
-def _adv_metrics(
-    advs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], samples: Sequence[TrainSample]
-) -> dict[str, float]:
+def _adv_metrics(advs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> dict[str, float]:
     flat = torch.cat([a[m.bool()] for a, m in zip(advs, masks, strict=True)]) if advs else torch.zeros(0)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    out = {
-        "reward/mean": float(rewards.mean()) if rewards.numel() else 0.0,
-        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-    }
+    out: dict[str, float] = {}  # reward/mean and reward/std: the loop's batch metrics (one computation)
     if flat.numel():
         out |= {
             "adv/mean": float(flat.mean()),

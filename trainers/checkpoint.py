@@ -50,7 +50,8 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
             _save_state(_hf_config(trainer), weights, tmp / "model")
             _copy_tokenizer(trainer.model_path, tmp / "model")
             if adapter is not None:
-                trainer.model.save_pretrained(tmp / "adapter", state_dict=adapter)
+                peft_model: Any = trainer.model
+                peft_model.save_pretrained(tmp / "adapter", state_dict=adapter)
         else:
             _save_model(trainer, tmp)
         torch.save(
@@ -107,7 +108,7 @@ def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
 
 
 def _save_model(trainer: TorchTrainer, out: Path) -> None:
-    model = trainer.model
+    model: Any = trainer.model  # an HF PreTrainedModel, or a peft PeftModel under LoRA
     if trainer.config.lora is not None:
         model.save_pretrained(out / "adapter")
         _save_merged(trainer, out / "model")
@@ -123,7 +124,7 @@ def _save_merged(trainer: TorchTrainer, out: Path) -> None:
 
 def _hf_config(trainer: TorchTrainer) -> Any:
     """The HF config of the policy (under LoRA, of the base model the adapters sit on)."""
-    model = trainer.model
+    model: Any = trainer.model
     return model.get_base_model().config if trainer.config.lora is not None else model.config
 
 

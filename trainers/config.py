@@ -187,14 +187,14 @@ class TrainerConfig(_Section):
         description="dual-clip bound c (Ye et al.): for A < 0 the token loss is capped at -c*A; None = off",
     )
     kl: KLConfig = Field(
-        default_factory=KLConfig,
+        KLConfig.model_validate({}),
         description="KL penalty to a frozen reference policy (off while kl.coef = 0)",
     )
     entropy_coef: float = Field(
         0.0, description="weight of the entropy bonus: loss -= coef * H, aggregated like the loss; 0 = off"
     )
     off_policy: OffPolicyConfig = Field(
-        default_factory=OffPolicyConfig,
+        OffPolicyConfig.model_validate({}),
         description="importance-weight correction for the behaviour (engine) vs trainer policy mismatch",
     )
     temperature: float = Field(

@@ -152,7 +152,7 @@ class Critic:
                 v = self.module(b.input_ids, b.position_ids, b.cu_seqlens).float()
                 per_token = value_loss(v, b.fields["old_values"], b.fields["returns"], self.config.value_clip)
                 loss = (per_token * b.fields["loss_mask"]).sum() / max(num_tokens, 1)
-            (loss * self.grad_scale).backward()
+            torch.autograd.backward(loss * self.grad_scale)
             total += loss.detach().double().cpu()
         if self.sp_groups is not None and not self.sharded:
             from agentrl.trainers.sequence_parallel import reduce_gradients

@@ -77,7 +77,9 @@ def fully_shard(root: nn.Module, model: nn.Module, world: World, device: str | t
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard as shard_module
 
-    mesh = DeviceMesh.from_group(world.group or dist.group.WORLD, torch.device(device).type)
+    group = world.group or dist.group.WORLD
+    assert group is not None, "fully_shard needs an initialised process group"
+    mesh = DeviceMesh.from_group(group, torch.device(device).type)
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     if not blocks:
         raise ValueError(f"{type(model).__name__} names no transformer blocks (_no_split_modules) to shard")

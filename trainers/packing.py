@@ -165,15 +165,31 @@ def pack_all(
 
 def padding_stats(batches: Sequence[PackedBatch], lengths: Sequence[int]) -> dict[str, float]:
     """Padding fraction of the packed micro-batches vs. a padded [n, max_len] layout of the same bins."""
-    packed_total = sum(b.num_tokens for b in batches)
-    packed_pad = sum(b.num_pad for b in batches)
-    padded_total = sum(len(b.sample_indices) * max(lengths[i] for i in b.sample_indices) for b in batches)
-    real = sum(lengths[i] for b in batches for i in b.sample_indices)
+    return padding_metrics(padding_counts(batches, lengths))
+
+
+def padding_counts(batches: Sequence[PackedBatch], lengths: Sequence[int]) -> list[float]:
+    """What `padding_metrics` reads, as sums (so ranks can add theirs up first).
+
+    [pad tokens, packed tokens, tokens of the padded layout, micro-batches, real tokens]
+    """
+    return [
+        float(sum(b.num_pad for b in batches)),
+        float(sum(b.num_tokens for b in batches)),
+        float(sum(len(b.sample_indices) * max(lengths[i] for i in b.sample_indices) for b in batches)),
+        float(len(batches)),
+        float(sum(lengths[i] for b in batches for i in b.sample_indices)),
+    ]
+
+
+def padding_metrics(counts: Sequence[float]) -> dict[str, float]:
+    """`pack/*` metrics from `padding_counts` (of one rank, or summed over ranks)."""
+    pad, packed, padded, micro_batches, real = counts
     return {
-        "pack/padding_fraction": packed_pad / packed_total if packed_total else 0.0,
-        "pack/padded_layout_padding_fraction": 1.0 - real / padded_total if padded_total else 0.0,
-        "pack/micro_batches": float(len(batches)),
-        "pack/tokens": float(real),
+        "pack/padding_fraction": pad / packed if packed else 0.0,
+        "pack/padded_layout_padding_fraction": 1.0 - real / padded if padded else 0.0,
+        "pack/micro_batches": micro_batches,
+        "pack/tokens": real,
     }
 
 

@@ -13,11 +13,12 @@ process or one machine is a config change, not a launcher script:
 - The ranks are reserved as one placement group (`placement: pack` keeps them
   on as few nodes as possible): a cluster that cannot hold them fails at start
   with what was asked, instead of leaving ranks pending.
-- A step sends the batch to every rank once (Ray's object store) and returns
-  rank 0's metrics, which the trainer already reduces over ranks. The
-  per-token values each rank writes into the trajectories it trained on
-  (`info["token_stats"]`, the replay token view) are copied back onto the
-  caller's trajectories.
+- A step sends the batch to every rank once (Ray's object store) as the
+  trainer's view of each trajectory (`TrainSample`s: token ids, masks,
+  behaviour logprobs, versions, rewards; not the messages) and returns rank
+  0's metrics, which the trainer already reduces over ranks, with the token
+  stats of the replay view that each rank recorded for the samples it
+  trained on.
 - Weights for the engines stream from rank 0 one bucket at a time.
 - Checkpoints are written by the ranks themselves (rank 0 the model and
   optimizer, each rank its RNG), so `save`/`load` need a path every rank can
@@ -35,12 +36,14 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from agentrl.errors import AgentrlError
 from agentrl.ray_runtime import actor_died, require_free, start_or_join
+from agentrl.trainer import TokenStats, Trainer, TrainStepResult, group_samples
 from agentrl.trainers.config import TrainerConfig
 from agentrl.types import Group, TrainSample
 
@@ -133,14 +136,10 @@ class _Rank:
         self.trainer = TorchTrainer(TrainerConfig.model_validate(config), model_path, device=device)
         return int(self.trainer.policy_version)
 
-    def train_step(self, groups: list[Group]) -> tuple[dict[str, float], dict[int, Any], int]:
-        """One step; returns the metrics, the token stats this rank wrote (by trajectory index) and the version."""
-        trajectories = [t for g in groups for t in g.trajectories]
-        for t in trajectories:  # only what this step writes goes back
-            t.info.pop("token_stats", None)
-        metrics = self.trainer.train_step(groups)
-        stats = {i: t.info["token_stats"] for i, t in enumerate(trajectories) if "token_stats" in t.info}
-        return metrics, stats, int(self.trainer.policy_version)
+    def train_step(self, groups: list[list[TrainSample]]) -> tuple[TrainStepResult, int]:
+        """One step on each group's samples; the result (this rank's token stats) and the version."""
+        result = self.trainer.train_samples(groups)
+        return result, int(self.trainer.policy_version)
 
     def sft_step(self, samples: list[TrainSample]) -> tuple[dict[str, float], int]:
         metrics = self.trainer.sft_step(samples)
@@ -247,43 +246,39 @@ class RayTrainerGroup:
             self.close()
             raise
 
-    @classmethod
-    def from_config(cls, config: RayTrainerConfig | Mapping[str, Any], *, model_path: str) -> RayTrainerGroup:
-        return cls(config, model_path)
-
     # -- the trainer calls
 
-    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One optimizer step on every rank; rank 0's metrics; token stats copied onto `groups`."""
+    def train_step(self, groups: Sequence[Group]) -> TrainStepResult:
+        """One optimizer step on every rank: rank 0's metrics, every rank's token stats."""
         import ray
 
-        ref = ray.put(list(groups))
+        ref = ray.put(group_samples(groups))
         results = self._call([r.train_step.remote(ref) for r in self._ranks], self.config.step_timeout_s, "train_step")
-        trajectories = [t for g in groups for t in g.trajectories]
-        for _, stats, _ in results:
-            for i, s in stats.items():
-                trajectories[i].info["token_stats"] = s
-        metrics, _, self.policy_version = results[0]
-        return metrics
+        token_stats: dict[str, TokenStats] = {}
+        for result, _ in results:
+            token_stats |= result.token_stats
+        first, self.policy_version = results[0]
+        return TrainStepResult(first.metrics, token_stats)
 
     def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         import ray
 
         ref = ray.put(list(samples))
         results = self._call([r.sft_step.remote(ref) for r in self._ranks], self.config.step_timeout_s, "sft_step")
-        metrics, self.policy_version = results[0]
+        metrics: dict[str, float] = results[0][0]
+        self.policy_version = results[0][1]
         return metrics
 
     def state_for_engines(self, *, dtype: Any = None, bucket_mb: float | None = None) -> _RemoteWeights:
         """The current weights (HF names, LoRA merged), streamed from rank 0 bucket by bucket."""
         return _RemoteWeights(self, dtype, bucket_mb)
 
-    def save(self, path: str, extra_state: Mapping[str, Any] | None = None) -> None:
+    def save(self, path: str | Path, extra_state: Mapping[str, Any] | None = None) -> None:
         """Every rank writes its part of the checkpoint at `path` (a path all ranks can reach)."""
         self._call([r.save.remote(str(path), dict(extra_state or {})) for r in self._ranks],
                    self.config.step_timeout_s, "save")  # fmt: skip
 
-    def load(self, path: str) -> dict[str, Any]:
+    def load(self, path: str | Path) -> dict[str, Any]:
         """Every rank restores `path`; returns the checkpoint's extra state."""
         results = self._call([r.load.remote(str(path)) for r in self._ranks], self.config.step_timeout_s, "load")
         extra, self.policy_version = results[0]
@@ -396,3 +391,6 @@ def _first_line(exc: BaseException) -> str:
     inner = cause if isinstance(cause, BaseException) else exc
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0] if text else ''}"
+
+
+_IS_A_TRAINER: type[Trainer] = RayTrainerGroup  # mypy checks that RayTrainerGroup fits agentrl.trainer.Trainer

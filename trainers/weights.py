@@ -103,7 +103,8 @@ def _merged_lora_tensors(peft_model: nn.Module) -> Iterator[tuple[str, torch.Ten
             delta: torch.Tensor | None = None
             for adapter in mod.active_adapters:
                 if adapter in mod.lora_A:
-                    d = mod.get_delta_weight(adapter)
+                    # every concrete LoRA layer (Linear, Embedding, ...) defines it; the base class does not
+                    d = mod.get_delta_weight(adapter)  # type: ignore[attr-defined]
                     delta = d if delta is None else delta + d
             if delta is not None:
                 deltas[mod_name] = delta

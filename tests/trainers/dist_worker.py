@@ -28,10 +28,11 @@ def main() -> None:
     for k, config in enumerate(configs):
         trainer = TorchTrainer(config, model_path)
         groups = random_groups(3, 3, seed=7)
-        metrics = trainer.compute_gradients(groups)
+        result = trainer.compute_gradients(groups)
+        metrics = result.metrics
         # under FSDP a grad is this rank's shard: gathered whole (every rank, same order)
         grads = {n: full_tensor(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
-        token_stats = [tr.info.get("token_stats") for g in groups for tr in g.trajectories]
+        token_stats = [result.token_stats.get(tr.id) for g in groups for tr in g.trajectories]
         torch.save(
             {"metrics": metrics, "grads": grads, "token_stats": token_stats}, out / f"{k}_rank{world.rank}.pt"
         )

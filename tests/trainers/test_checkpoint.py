@@ -25,7 +25,7 @@ def test_resume_gives_the_same_next_step(tiny_llama_path: str, tmp_path: Path, b
     a.train_step(batches[1])
     a.save(str(tmp_path / "ckpt"), extra_state={"cursor": 2, "rollout": {"epoch": 0}})
     rng_probe = (torch.rand(3), random.random())
-    m_a = a.train_step(batches[2])
+    m_a = a.train_step(batches[2]).metrics
     after_a = params(a)
 
     b = TorchTrainer(CFG, tiny_llama_path)
@@ -33,7 +33,7 @@ def test_resume_gives_the_same_next_step(tiny_llama_path: str, tmp_path: Path, b
     assert (b.step, b.policy_version) == (2, 2)
     assert torch.equal(torch.rand(3), rng_probe[0]) and random.random() == rng_probe[1]
     b.load(str(tmp_path / "ckpt"))  # reload so RNG is exactly at the save point again
-    m_b = b.train_step(batches[2])
+    m_b = b.train_step(batches[2]).metrics
     assert m_b["loss"] == m_a["loss"] and m_b["lr"] == m_a["lr"]
     for n, p in params(b).items():
         assert torch.equal(p, after_a[n]), n

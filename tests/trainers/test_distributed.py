@@ -58,9 +58,9 @@ def test_two_gloo_ranks_ddp_sp_and_fsdp_match_one_process(tiny_llama_path: str, 
     for name, config in (("ppo", CONFIG), ("gspo", GSPO)):
         single = TorchTrainer(config, tiny_llama_path)
         groups = build.groups(3, 3, seed=7)
-        metrics = single.compute_gradients(groups)
+        result = single.compute_gradients(groups)
         grads = {n: p.grad for n, p in single.model.named_parameters() if p.grad is not None}
-        one_process[name] = (metrics, grads, [tr.info["token_stats"] for g in groups for tr in g.trajectories])
+        one_process[name] = (result.metrics, grads, [result.token_stats[tr.id] for g in groups for tr in g.trajectories])
     # the made-up behaviour logprobs put the ratios far from 1: GSPO's gradients are not PPO's here,
     # and not all zero (some sequences are inside the clip range)
     ppo_grads, gspo_grads = one_process["ppo"][1], one_process["gspo"][1]

@@ -48,11 +48,11 @@ def _assert_resume_repeats_the_next_step(trainer: Any, ckpt: Path, build: Any) -
     """
     version = trainer.policy_version
     trainer.save(str(ckpt), {"step": version})
-    first = trainer.train_step(build.groups(2, 3, seed=10))
+    first = trainer.train_step(build.groups(2, 3, seed=10)).metrics
     after = _weights(trainer)
     assert trainer.load(str(ckpt)) == {"step": version}
     assert trainer.policy_version == version
-    again = trainer.train_step(build.groups(2, 3, seed=10))
+    again = trainer.train_step(build.groups(2, 3, seed=10)).metrics
     # Adam's moments restored too: from fresh ones this step would move each weight by ~lr (1e-3)
     _assert_same_weights(_weights(trainer), after)
     return first, again
@@ -122,14 +122,15 @@ def test_two_ranks_step_like_one_process(group: Any, tiny_llama_path: str, build
     _assert_same_weights(_weights(group), _weights(single))
 
     mine, theirs = build.groups(3, 3, seed=7), build.groups(3, 3, seed=7)
-    got, want = group.train_step(mine), single.train_step(theirs)
+    got_result, want_result = group.train_step(mine), single.train_step(theirs)
+    got, want = got_result.metrics, want_result.metrics
     assert got["samples"] == want["samples"] == 9
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     assert got["off_policy/mismatch_kl"] == pytest.approx(want["off_policy/mismatch_kl"], rel=1e-5)
     assert group.policy_version == single.policy_version == 1
     _assert_same_weights(_weights(group), _weights(single))
     for a, b in zip([t for g in mine for t in g.trajectories], [t for g in theirs for t in g.trajectories], strict=True):
-        got_stats, want_stats = a.info["token_stats"], b.info["token_stats"]
+        got_stats, want_stats = got_result.token_stats[a.id], want_result.token_stats[b.id]
         assert got_stats["advantages"] == want_stats["advantages"] and got_stats["is_mask"] == want_stats["is_mask"]
         for x, y in zip(got_stats["trainer_logprobs"], want_stats["trainer_logprobs"], strict=True):
             assert (x is None and y is None) or x == pytest.approx(y, abs=1e-4)
@@ -159,7 +160,7 @@ def test_fsdp_ranks_step_save_and_resume_like_one_process(
     try:
         single = TorchTrainer(config, tiny_llama_path)  # one rank: nothing to shard, the reference
         for seed in (7, 8):
-            got, want = sharded.train_step(build.groups(3, 3, seed=seed)), single.train_step(build.groups(3, 3, seed=seed))
+            got, want = sharded.train_step(build.groups(3, 3, seed=seed)).metrics, single.train_step(build.groups(3, 3, seed=seed)).metrics
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
         _assert_same_weights(_weights(sharded), _weights(single))
@@ -207,7 +208,7 @@ def test_the_gae_critic_steps_and_resumes_like_one_process_when_sharded_or_split
     try:
         single = TorchTrainer(config, tiny_llama_path)
         for seed in (7, 8):
-            got, want = sharded.train_step(build.groups(3, 3, seed=seed)), single.train_step(build.groups(3, 3, seed=seed))
+            got, want = sharded.train_step(build.groups(3, 3, seed=seed)).metrics, single.train_step(build.groups(3, 3, seed=seed)).metrics
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
             assert got["critic/loss"] == pytest.approx(want["critic/loss"], rel=1e-4)
             assert got["adv/abs_mean"] == pytest.approx(want["adv/abs_mean"], rel=1e-4)
@@ -234,7 +235,7 @@ def test_sequence_parallel_ranks_step_save_and_resume_like_one_process(
     sp = RayTrainerGroup(dict(CONFIG, world_size=2, sequence_parallel_size=2, num_cpus_per_rank=0.5), tiny_llama_path)
     try:
         single = TorchTrainer(CONFIG, tiny_llama_path)
-        got, want = sp.train_step(build.groups(3, 3, seed=7)), single.train_step(build.groups(3, 3, seed=7))
+        got, want = sp.train_step(build.groups(3, 3, seed=7)).metrics, single.train_step(build.groups(3, 3, seed=7)).metrics
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
         _assert_same_weights(_weights(sp), _weights(single))
         _assert_resume_repeats_the_next_step(sp, tmp_path / "ckpt", build)
@@ -271,7 +272,7 @@ def test_combined_features_step_and_resume_like_one_process(
     try:
         single = TorchTrainer({k: v for k, v in config.items() if k != "sequence_parallel_size"}, tiny_llama_path)
         for seed in (7, 8):
-            got, want = sharded.train_step(build.groups(3, 3, seed=seed)), single.train_step(build.groups(3, 3, seed=seed))
+            got, want = sharded.train_step(build.groups(3, 3, seed=seed)).metrics, single.train_step(build.groups(3, 3, seed=seed)).metrics
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
             assert got["kl/loss"] == pytest.approx(want["kl/loss"], rel=1e-3, abs=1e-9)
             if seed == 7:  # four Adam updates in this step: rounding grows as in the tests above

@@ -1,4 +1,4 @@
-"""TorchTrainer writes per-token trainer values into `trajectory.info["token_stats"]`."""
+"""TorchTrainer returns per-token trainer values (`TrainStepResult.token_stats`, the replay token view)."""
 
 from __future__ import annotations
 
@@ -40,12 +40,13 @@ def test_train_step_records_trainer_logprobs_advantages_and_weights(tiny_llama_p
         for k, tr in enumerate(g.trajectories):
             tr.reward = [0.0, 1.0, 3.0, 0.5][k]
     expected = {tr.id: direct_logprobs(t, tr) for g in groups for tr in g.trajectories}
-    m = t.train_step(groups)
-    assert m["pack/micro_batches"] > 1
+    result = t.train_step(groups)
+    assert result.metrics["pack/micro_batches"] > 1
+    assert all("token_stats" not in tr.info for g in groups for tr in g.trajectories)  # returned, not written
 
     for g in groups:
         for tr, adv in zip(g.trajectories, grpo_advantages(g), strict=True):
-            stats = tr.info["token_stats"]
+            stats = result.token_stats[tr.id]
             assert set(stats) == set(FIELDS)
             for name in FIELDS:
                 assert len(stats[name]) == len(tr.token_ids), name
@@ -71,21 +72,21 @@ def test_importance_mask_and_weights_are_the_applied_ones(tiny_llama_path: str, 
         behav = [x if j % 2 == 0 else x - 2.0 for j, x in enumerate(lp)]
         trajs.append(build.trajectory(prompt, comp, reward=float(len(comp)), logprobs=behav))
     expected = [direct_logprobs(t, tr) for tr in trajs]
-    t.train_step([Group(task_id="x", trajectories=trajs[:2]), Group(task_id="y", trajectories=trajs[2:])])
+    result = t.train_step([Group(task_id="x", trajectories=trajs[:2]), Group(task_id="y", trajectories=trajs[2:])])
 
     for tr, lp in zip(trajs, expected, strict=True):
-        stats = tr.info["token_stats"]
+        stats = result.token_stats[tr.id]
         for k in range(len(prompt), len(tr.token_ids)):
             assert stats["trainer_logprobs"][k] == pytest.approx(lp[k], abs=1e-4)
             if (k - len(prompt)) % 2 == 0:
                 assert stats["is_mask"][k] == 1 and stats["is_weights"][k] == pytest.approx(1.0, abs=1e-3)
             else:
                 assert stats["is_mask"][k] == 0 and stats["is_weights"][k] == 0.0
-    assert trajs[2].info["token_stats"]["advantages"][len(prompt)] == 0.0  # a group of one
+    assert result.token_stats[trajs[2].id]["advantages"][len(prompt)] == 0.0  # a group of one
 
 
 def test_record_token_stats_false_writes_nothing(tiny_llama_path: str, build: Any) -> None:
     t = trainer(tiny_llama_path, record_token_stats=False)
     groups = build.groups(2, 2, seed=1)
-    t.train_step(groups)
+    assert t.train_step(groups).token_stats == {}
     assert all("token_stats" not in tr.info for g in groups for tr in g.trajectories)

@@ -26,17 +26,17 @@ def grads(t: TorchTrainer) -> dict[str, torch.Tensor]:
 def test_train_step_updates_weights_and_reports_metrics(tiny_llama_path: str, build: Any) -> None:
     t = trainer(tiny_llama_path, micro_batch_tokens=64)
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    m = t.train_step(build.groups(3, 4, seed=0))
+    m = t.train_step(build.groups(3, 4, seed=0)).metrics
     assert t.policy_version == 1 and m["policy_version"] == 1.0
     for key in ("loss", "pg_loss", "entropy", "clip_fraction", "grad_norm", "lr", "off_policy/mismatch_kl",
                 "off_policy/max_abs_dlogp", "off_policy/ess", "off_policy/masked_fraction",
-                "off_policy/staleness_mean", "pack/padding_fraction", "pack/micro_batches", "time/step_s"):  # fmt: skip
+                "off_policy/staleness_mean", "pack/padding_fraction", "pack/micro_batches", "time/train_step_s"):  # fmt: skip
         assert key in m and math.isfinite(m[key]), key
     assert m["pack/micro_batches"] > 1  # 64-token budget splits the batch
     assert m["pack/padding_fraction"] == 0.0
     changed = sum(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
     assert changed > 0
-    m2 = t.train_step(build.groups(2, 2, seed=1, version=0))
+    m2 = t.train_step(build.groups(2, 2, seed=1, version=0)).metrics
     assert m2["off_policy/staleness_mean"] == 1.0  # tokens from version 0, trainer now at 1
 
 
@@ -46,9 +46,9 @@ def test_micro_batching_does_not_change_loss_or_gradients(
 ) -> None:
     groups = build.groups(2, 3, seed=3)
     whole = trainer(tiny_llama_path, loss_agg=loss_agg, micro_batch_tokens=4096)
-    m1 = whole.compute_gradients(groups)
+    m1 = whole.compute_gradients(groups).metrics
     split = trainer(tiny_llama_path, loss_agg=loss_agg, micro_batch_tokens=16)
-    m2 = split.compute_gradients(groups)
+    m2 = split.compute_gradients(groups).metrics
     assert m1["pack/micro_batches"] == 1 and m2["pack/micro_batches"] == 6
     assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
     g1, g2 = grads(whole), grads(split)
@@ -64,15 +64,15 @@ def test_shared_prefix_gives_the_same_loss_and_gradients(
     groups = build.groups(3, 4, seed=5, prompt_len=(20, 30))
     if extra.get("epochs"):  # compute_gradients needs one update: compare full train steps instead
         plain, shared = trainer(tiny_llama_path, **extra), trainer(tiny_llama_path, shared_prefix=True, **extra)
-        m1, m2 = plain.train_step(groups), shared.train_step(groups)
+        m1, m2 = plain.train_step(groups).metrics, shared.train_step(groups).metrics
         assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-4)
         for (n, p1), (_, p2) in zip(plain.model.named_parameters(), shared.model.named_parameters(), strict=True):
             torch.testing.assert_close(p2, p1, rtol=1e-4, atol=1e-5, msg=n)
     else:
         plain = trainer(tiny_llama_path, micro_batch_tokens=4096)
-        m1 = plain.compute_gradients(groups)
+        m1 = plain.compute_gradients(groups).metrics
         shared = trainer(tiny_llama_path, micro_batch_tokens=90, shared_prefix=True, shared_prefix_min_tokens=8)
-        m2 = shared.compute_gradients(groups)
+        m2 = shared.compute_gradients(groups).metrics
         assert m2["pack/micro_batches"] > 1  # families are split across micro-batches, never members
         assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
         g1, g2 = grads(plain), grads(shared)
@@ -95,7 +95,7 @@ def test_on_policy_data_has_no_mismatch(tiny_llama_path: str, build: Any) -> Non
         trajs.append(
             build.trajectory(prompt, c, reward=float(len(c)), logprobs=lp[len(prompt) - 1 :].tolist())
         )
-    m = t.train_step([Group(task_id="x", trajectories=trajs)])
+    m = t.train_step([Group(task_id="x", trajectories=trajs)]).metrics
     assert m["off_policy/mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
     assert m["off_policy/max_abs_dlogp"] < 1e-4
     assert m["off_policy/ess"] == pytest.approx(1.0, abs=1e-6)
@@ -132,10 +132,10 @@ def test_lora_merged_weights_and_adapter_disabled_reference(tiny_llama_path: str
 
     t = trainer(tiny_llama_path, lora={"r": 4, "alpha": 8}, kl={"coef": 0.1}, lr=1e-2)
     assert t.reference is None  # the base model with the adapter off is the reference
-    m = t.train_step(build.groups(2, 2, seed=0))
+    m = t.train_step(build.groups(2, 2, seed=0)).metrics
     assert m["kl/loss"] == pytest.approx(0.0, abs=1e-10)  # LoRA B starts at 0: policy == base
     t.train_step(build.groups(2, 2, seed=1))
-    m = t.train_step(build.groups(2, 2, seed=2))
+    m = t.train_step(build.groups(2, 2, seed=2)).metrics
     assert m["kl/loss"] > 0.0
     state = {n: x for b in t.state_for_engines().buckets() for n, x in b}
     assert not any("lora" in n or "base_layer" in n for n in state)
@@ -152,10 +152,10 @@ def test_kl_to_frozen_reference(tiny_llama_path: str, build: Any) -> None:
     t = trainer(tiny_llama_path, kl={"coef": 0.5, "estimator": "k3"}, lr=1e-2)
     assert t.reference is not None
     assert not any(p.requires_grad for p in t.reference.parameters())
-    first = t.train_step(build.groups(2, 2, seed=0))
+    first = t.train_step(build.groups(2, 2, seed=0)).metrics
     assert first["kl/loss"] == pytest.approx(0.0, abs=1e-10)
     t.train_step(build.groups(2, 2, seed=1))
-    assert t.train_step(build.groups(2, 2, seed=2))["kl/loss"] > 0.0
+    assert t.train_step(build.groups(2, 2, seed=2)).metrics["kl/loss"] > 0.0
     no_kl = trainer(tiny_llama_path)
     assert no_kl.reference is None  # never loaded unless KL is used
 
@@ -164,7 +164,7 @@ def test_kl_in_reward_and_entropy_bonus_run(tiny_llama_path: str, build: Any) ->
     t = trainer(
         tiny_llama_path, advantage="reinforce_pp", kl={"coef": 0.1, "in_reward": True}, entropy_coef=0.01
     )
-    m = t.train_step(build.groups(2, 2, seed=0))
+    m = t.train_step(build.groups(2, 2, seed=0)).metrics
     assert "kl/in_reward_mean" in m and m["entropy"] > 0
 
 
@@ -172,7 +172,7 @@ def test_gae_with_critic(tiny_llama_path: str, build: Any) -> None:
     t = trainer(tiny_llama_path, advantage="gae", critic={"lr": 1e-2}, mini_batches=2, epochs=2)
     assert t.critic is not None
     head = t.critic.model.head.weight.detach().clone()
-    m = t.train_step(build.groups(2, 2, seed=0))
+    m = t.train_step(build.groups(2, 2, seed=0)).metrics
     assert "critic/loss" in m and math.isfinite(m["critic/loss"])
     assert not torch.equal(head, t.critic.model.head.weight)
     assert t.policy_version == 1
@@ -238,11 +238,11 @@ def test_a_nonfinite_gradient_skips_the_update_and_leaves_the_weights(tiny_llama
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     poisoned = build.groups(2, 3, seed=0)
     poisoned[0].trajectories[1].reward = float("nan")
-    m = t.train_step(poisoned)
+    m = t.train_step(poisoned).metrics
     assert m["optim/skipped_updates"] == 1.0 and math.isnan(m["grad_norm"]) and t.skipped_updates == 1
     assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters())  # not one weight moved
     assert t.policy_version == 1  # the step still counts: the engine syncs (unchanged) weights as usual
-    m = t.train_step(build.groups(2, 3, seed=1))  # the next good batch trains normally
+    m = t.train_step(build.groups(2, 3, seed=1)).metrics  # the next good batch trains normally
     assert m["optim/skipped_updates"] == 0.0 and math.isfinite(m["grad_norm"])
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
     assert any(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
@@ -256,7 +256,7 @@ def test_gspo_on_fresh_data_takes_the_same_first_step_as_ppo(tiny_llama_path: st
     groups = build.groups(2, 3, seed=4)
     ppo = trainer(tiny_llama_path, off_policy={"mode": "tis"})
     gspo = trainer(tiny_llama_path, off_policy={"mode": "tis"}, policy_loss="gspo", clip_low=3e-4, clip_high=4e-4)
-    m1, m2 = ppo.compute_gradients(groups), gspo.compute_gradients(build.groups(2, 3, seed=4))
+    m1, m2 = ppo.compute_gradients(groups).metrics, gspo.compute_gradients(build.groups(2, 3, seed=4)).metrics
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-6) and m2["clip_fraction"] == 0.0
     g1, g2 = grads(ppo), grads(gspo)
     for name, g in g1.items():
@@ -264,4 +264,4 @@ def test_gspo_on_fresh_data_takes_the_same_first_step_as_ppo(tiny_llama_path: st
     # later updates of the same batch (epochs=2) move off ratio 1; the tiny clip range then clips sequences
     again = trainer(tiny_llama_path, off_policy={"mode": "tis"}, policy_loss="gspo", clip_low=1e-6, clip_high=1e-6,
                     epochs=2, lr=1e-2)  # fmt: skip
-    assert again.train_step(build.groups(2, 3, seed=4))["clip_fraction"] > 0.0
+    assert again.train_step(build.groups(2, 3, seed=4)).metrics["clip_fraction"] > 0.0

@@ -21,7 +21,8 @@ def test_trainer_token_stats_come_out_of_token_view(tiny_llama_path: str) -> Non
 
     trainer = TorchTrainer({"dtype": "fp32", "off_policy": {"mode": "tis"}}, tiny_llama_path)
     trajs = [_trajectory([9, 10, 11], 1.0), _trajectory([12, 13], 0.0)]
-    trainer.train_step([Group(task_id="t", trajectories=trajs)])
+    result = trainer.train_step([Group(task_id="t", trajectories=trajs)])
+    trajs[0].info["token_stats"] = result.token_stats[trajs[0].id]  # as the training loop stores them
 
     stored = Trajectory.from_dict(json.loads(json.dumps(trajs[0].to_dict())))  # as the store keeps it
     view = token_view(stored, TokenDecoder(None, "none"))
