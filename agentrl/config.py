@@ -4,14 +4,18 @@ Fixed sections (`run`, `model`, `rollout`, `warm_start`) are typed here; plugin
 sections (`env`, `engine`, `trainer`) are `{name: ..., <params>}` and their
 params are validated by the plugin's own `Config` (found through a `Plugins`
 registry), so every key is either honoured or rejected: a key that would do
-nothing is an error too (a run-level `sandbox`, an `engine.model` other than
-`model.path`). A bad config raises `ConfigError` with the full key path, the
-bad value and what is allowed::
+nothing is an error too (a run-level `sandbox`). A bad config raises
+`ConfigError` with the full key path, the bad value and what is allowed::
 
     rollout.max_staleness: got -1; Input should be greater than or equal to 0
 
-`dump_config` writes the fully resolved config (every default filled in) as
-YAML; loading that YAML again gives the same config.
+A value that several parts must share is set once and derived for the rest
+(`DERIVED`: the engine serves `model.path`, the trainer scores at
+`rollout.sampling.temperature`, everything seeds from `run.seed`); a plugin
+param that says otherwise is an error naming the key to set instead.
+
+`dump_config` writes the fully resolved config (every default filled in, the
+derived params left out) as YAML; loading that YAML again gives the same config.
 """
 
 from __future__ import annotations
@@ -161,6 +165,17 @@ NOT_RUN_LEVEL: dict[str, str] = {
 
 DEFAULT_PLUGINS: dict[str, str] = {"engine": "hf", "trainer": "torch"}
 
+DERIVED: dict[tuple[str, str], tuple[str, str]] = {
+    ("engine", "model"): ("model.path", "the engine serves the policy the trainer trains"),
+    ("engine", "seed"): ("run.seed", "a run has one seed"),
+    ("trainer", "temperature"): (
+        "rollout.sampling.temperature",
+        "the trainer must score tokens under the distribution the engine sampled from",
+    ),
+    ("trainer", "seed"): ("run.seed", "a run has one seed"),
+}
+"""(section, param) -> (the run key it is set from, why): applied where the plugin's Config has the param."""
+
 
 class RunConfig(_Section):
     """Everything one `agentrl train` needs."""
@@ -267,32 +282,51 @@ def _trainer_config_model() -> type[BaseModel] | None:
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
-def _inherited_params(plugins: Plugins, config: RunConfig, section: str, spec: PluginSpec) -> dict[str, Any]:
-    """Engine params `model`/`dtype` default to the `model` section, so one key sets the policy."""
-    if section != "engine":
-        return {}
-    model = getattr(plugins.engines.get(spec.name), "Config", None)
-    fields = model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else {}
-    inherited = {"model": config.model.path, "dtype": config.model.dtype}
-    return {k: v for k, v in inherited.items() if k in fields}
+def _run_value(config: RunConfig, dotted: str) -> Any:
+    """The value at a dotted key of the run config (`rollout.sampling.temperature`)."""
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _derived_params(config: RunConfig, section: str, spec: PluginSpec, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The section's `DERIVED` params its plugin has; a given value that differs is a `ConfigError`."""
+    derived: dict[str, Any] = {}
+    for (where, key), (source, why) in DERIVED.items():
+        if where != section or key not in fields:
+            continue
+        value = _run_value(config, source)
+        given = spec.params.get(key, value)
+        if given != value:
+            raise ConfigError(f"{section}.{key}: got {given!r}, but {why}, {source}={value!r}; set {source} instead")
+        derived[key] = value
+    return derived
 
 
 def _validate_section(plugins: Plugins, config: RunConfig, section: str, spec: PluginSpec) -> BaseModel | None:
     kind = PLUGIN_SECTIONS[section]
     registry = plugins.registry(kind)
-    if section == "trainer" and spec.name == DEFAULT_PLUGINS["trainer"]:
+    model: type[BaseModel] | None = None
+    torch_trainer = section == "trainer" and spec.name == DEFAULT_PLUGINS["trainer"]
+    if torch_trainer:
         # The torch trainer's module imports torch: check the name without loading it
         # and validate params with its torch-free TrainerConfig. Other trainers (the
         # `ray` group, a user's) are loaded and validate with their own Config.
         model = _trainer_config_model()
-        if model is not None:
-            if ":" not in spec.name:
-                registry.entry(spec.name)
-            try:
-                return model.model_validate(spec.params)
-            except ValidationError as e:
-                raise config_error(e, prefix=section, model=model) from None
-    params = {**_inherited_params(plugins, config, section, spec), **spec.params}
+        if model is not None and ":" not in spec.name:
+            registry.entry(spec.name)
+    else:
+        found = getattr(registry.get(spec.name), "Config", None)
+        model = found if isinstance(found, type) and issubclass(found, BaseModel) else None
+    fields = model.model_fields if model is not None else {}
+    defaults = {"dtype": config.model.dtype} if section == "engine" and "dtype" in fields else {}  # engine.dtype wins
+    params = {**defaults, **spec.params, **_derived_params(config, section, spec, fields)}
+    if torch_trainer and model is not None:
+        try:
+            return model.model_validate(params)
+        except ValidationError as e:
+            raise config_error(e, prefix=section, model=model) from None
     return plugins.validate_params(kind, spec.name, params, prefix=section)
 
 
@@ -345,21 +379,8 @@ def resolve_config(
 
 
 def _check_sections_agree(config: RunConfig, *, trainer_device_set: bool) -> None:
-    """Rules across sections: the trainer scores what the engine sampled, from the same model, on a
-    device the user chose (`trainer_device_set`: the config names `trainer.device` itself)."""
-    scored = config.trainer.params.get("temperature")
-    if scored is not None and scored != config.rollout.sampling.temperature:
-        raise ConfigError(
-            f"trainer.temperature={scored} differs from rollout.sampling.temperature="
-            f"{config.rollout.sampling.temperature}: the trainer must score tokens under the distribution "
-            "the engine sampled from; set them equal"
-        )
-    served = config.engine.params.get("model", config.model.path)
-    if served != config.model.path:
-        raise ConfigError(
-            f"engine.model: got {served!r}, but the engine serves the policy the trainer trains, "
-            f"model.path={config.model.path!r}; set model.path instead"
-        )
+    """Rules across sections: the trainer runs on a device the user chose (`trainer_device_set`: the
+    config names `trainer.device` itself), the engine holds the longest episode."""
     engine_device = str(config.engine.params.get("device", ""))
     if engine_device.startswith("cuda") and config.trainer.name == "torch" and not trainer_device_set:
         raise ConfigError(
@@ -409,5 +430,12 @@ def load_config(
 
 
 def dump_config(config: RunConfig) -> str:
-    """The fully resolved config as YAML (loading it back gives the same config)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    """The fully resolved config as YAML (loading it back gives the same config).
+
+    `DERIVED` params are left out: they follow their run key when the YAML is loaded again
+    (with overrides, too).
+    """
+    data = config.model_dump(mode="json")
+    for section, key in DERIVED:
+        data.get(section, {}).pop(key, None)
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)

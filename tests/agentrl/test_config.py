@@ -101,12 +101,40 @@ def test_keys_that_would_do_nothing_are_errors(plugins: Plugins) -> None:
     assert config.engine.params["model"] == "other/model"
 
 
-def test_trainer_and_sampling_temperatures_must_agree(plugins: Plugins) -> None:
-    """Checked when the config loads (config show/explain too), not after the model is loaded."""
-    msg = error_of(plugins, BASE, "rollout.sampling.temperature=0.7")
-    assert msg.startswith("trainer.temperature=1.0 differs from rollout.sampling.temperature=0.7:")
+def test_trainer_temperature_follows_the_sampling_temperature(plugins: Plugins) -> None:
+    """Set once (rollout.sampling.temperature); a trainer.temperature that differs is an error when the
+    config loads (config show/explain too), not after the model is loaded."""
+    derived = resolve(plugins, BASE, "rollout.sampling.temperature=0.7")
+    assert derived.trainer.params["temperature"] == 0.7
+    assert derived.trainer.config.temperature == 0.7  # type: ignore[union-attr]  # what the trainer is built with
+    msg = error_of(plugins, BASE, "rollout.sampling.temperature=0.7", "trainer.temperature=1.0")
+    assert msg.startswith("trainer.temperature: got 1.0, but the trainer must score tokens under the distribution")
+    assert msg.endswith("rollout.sampling.temperature=0.7; set rollout.sampling.temperature instead")
     both = resolve(plugins, BASE, "rollout.sampling.temperature=0.7", "trainer.temperature=0.7")
-    assert both.trainer.params["temperature"] == 0.7
+    assert both.trainer.params["temperature"] == 0.7  # the same value, said twice, is fine
+
+
+def test_one_seed_for_the_run(plugins: Plugins) -> None:
+    """run.seed seeds the trainer and the engine too; a plugin seed that differs is an error."""
+    plugins.engines.add("seeded", SeededEngine, source="test")
+    config = resolve(plugins, {**BASE, "engine": "seeded"}, "run.seed=7")
+    assert config.trainer.params["seed"] == 7 and config.engine.params["seed"] == 7
+    assert error_of(plugins, BASE, "run.seed=7", "trainer.seed=3") == (
+        "trainer.seed: got 3, but a run has one seed, run.seed=7; set run.seed instead"
+    )
+    msg = error_of(plugins, {**BASE, "engine": {"name": "seeded", "seed": 1}})
+    assert msg == "engine.seed: got 1, but a run has one seed, run.seed=0; set run.seed instead"
+
+
+def test_derived_params_are_not_dumped_and_follow_their_run_key(plugins: Plugins, tmp_path: Path) -> None:
+    """A resolved config.yaml re-derives them, so an override of the run key applies on reload."""
+    config = resolve(plugins, BASE, "rollout.sampling.temperature=0.7", "run.seed=3")
+    data = yaml.safe_load(dump_config(config))
+    assert "temperature" not in data["trainer"] and "seed" not in data["trainer"]
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(config))
+    again = load_config(path, ["rollout.sampling.temperature=0.5"], plugins=plugins)
+    assert again.trainer.params["temperature"] == 0.5 and again.trainer.params["seed"] == 3
 
 
 def test_a_gpu_engine_beside_a_trainer_left_on_the_cpu_is_an_error(plugins: Plugins) -> None:
@@ -308,6 +336,14 @@ def test_dump_round_trips_exactly(tmp_path: Path, plugins: Plugins) -> None:
     again = load_config(path, plugins=plugins)
     assert dump_config(again) == text
     assert again.model_dump() == config.model_dump()
+
+
+class SeededEngine:
+    """An engine with a sampler seed like `hf` has."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        seed: int = 0
 
 
 class ModelEngine:
