@@ -164,7 +164,9 @@ class Session:
 
     def _prepare(self, request: ChatRequest) -> tuple[Branch, int]:
         """The branch this call continues (or a new one) with the new messages appended."""
-        tools_key = json.dumps(request.tools, sort_keys=True) if request.tools else ""
+        # tools matter only when rendered into the prompt: otherwise a call that drops them still extends
+        rendered = request.tools and self.backend.tools_in_prompt
+        tools_key = json.dumps(request.tools, sort_keys=True) if rendered else ""
         for branch in reversed(self.branches):
             added = extension(branch, request.messages, tools_key)
             if added is None:
