@@ -11,11 +11,21 @@ Mode ``ns``: the server is PID 1 of its own PID namespace (bwrap
 ``--as-pid-1``). Code can neither signal it (the kernel drops signals to a
 namespace's init that it has no handler for) nor hide from it:
 ``kill(-1, SIGKILL)`` reaches every process in the namespace.
-Mode ``tree``: not PID 1 (``unsafe_local``, or a docker exec next to the
-container's init); the server becomes a child subreaper, so orphans are
-re-parented to it, and kills all its descendants.
+Mode ``tree``: not PID 1 (a docker exec next to the container's init); the
+server becomes a child subreaper, so orphans are re-parented to it, and kills
+all its descendants. Mode ``host``: as ``tree``, on the host's shared
+namespaces (``unsafe_local``), so SysV IPC objects are not swept.
 
-argv: MODE WORKDIR [SCRATCH_DIR ...]
+The server is out of its children's reach (see :class:`Guard`): it is not
+dumpable (no ptrace, no /proc/<pid>/mem, environ, fd/* for a process without
+CAP_SYS_PTRACE), and every child runs under a seccomp filter that refuses
+ptrace-like calls, keyrings, and signals/rlimits/priorities aimed at the
+server. After each request it also sweeps what a request could leave in the
+worker (SysV IPC objects, POSIX message queues, the scratch dirs' mode and
+xattrs) and checks its own rlimits, priority, CPUs and OOM score: changed
+means ``dirty`` (the host replaces the worker).
+
+argv: MODE WORKDIR [SCRATCH_DIR ...]  (scratch dirs that do not exist are skipped)
 """
 
 from __future__ import annotations
@@ -29,12 +39,15 @@ import os
 import resource
 import selectors
 import signal
+import stat
 import struct
 import sys
 import time
 import types
 
-if False:  # typing only (typing, shutil, traceback... are left out: a smaller heap forks faster)
+TYPE_CHECKING = False  # mypy reads it as True; `typing` itself is not imported at run time
+
+if TYPE_CHECKING:  # typing only (typing, shutil, traceback... are left out: a smaller heap forks faster)
     from typing import Any
 
 _HDR = struct.Struct(">I")
@@ -91,11 +104,213 @@ def _empty_dir(path: str) -> None:
             pass
 
 
+def _read_inside(root: str, name: str, cap: int) -> bytes | None:
+    """Up to ``cap`` bytes of the regular file ``root/name``; None if missing, not a regular file, or
+    resolving (through any symlink) to a place outside ``root``. Called when no request process is
+    left, so nothing can swap a link between the check and the open."""
+    real_root = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([real_root, path]) != real_root:
+        return None
+    try:  # O_NONBLOCK: a FIFO must not hang the server
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, left = [], cap
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+# seccomp: syscall numbers per architecture (AUDIT_ARCH value, numbers)
+_ARCHES: dict[str, tuple[int, dict[str, int]]] = {
+    "x86_64": (0xC000003E, {
+        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "pidfd_getfd": 438,
+        "process_madvise": 440, "add_key": 248, "request_key": 249, "keyctl": 250,
+        "kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
+        "pidfd_open": 434, "prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144,
+        "sched_setparam": 142, "sched_setattr": 314, "setpriority": 141, "ioprio_set": 251,
+    }),
+    "aarch64": (0xC00000B7, {
+        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "pidfd_getfd": 438,
+        "process_madvise": 440, "add_key": 217, "request_key": 218, "keyctl": 219,
+        "kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
+        "pidfd_open": 434, "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
+        "sched_setparam": 118, "sched_setattr": 274, "setpriority": 140, "ioprio_set": 30,
+    }),
+}
+#: refused whatever the arguments: reading/writing/comparing another process, and keyrings
+#: (a key added to the session or user keyring outlives the request in a warm worker)
+_DENY_ALWAYS = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "process_madvise",
+                "add_key", "request_key", "keyctl")
+#: refused when the target (first argument) is a protected pid
+_DENY_FOR_PID = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open", "prlimit64",
+                 "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
+#: (which, who): refused for which == "every process of a user", or who == a protected pid/group
+_DENY_FOR_WHO = {"setpriority": 2, "ioprio_set": 3}  # PRIO_USER, IOPRIO_WHO_USER
+_X32_BIT = 0x40000000
+
+
+def seccomp_filter(protected: list[int], groups: list[int], machine: str) -> bytes:
+    """A classic-BPF seccomp program (``struct sock_filter[]``) for the children.
+
+    Refuses (EPERM) the ``_DENY_ALWAYS`` calls; signals, pidfds, rlimits and scheduling aimed at a
+    ``protected`` pid (the server, its parent); ``kill`` of everyone (-1) or of a protected process
+    group; priority changes for a whole user; and any call of another ABI (x32, i386 through
+    ``int 0x80``), which would otherwise bypass these numbers. Pid arguments are compared on their low
+    32 bits, which is what the kernel reads (pid_t).
+    """
+    if machine not in _ARCHES:
+        raise RuntimeError(f"no seccomp filter for architecture {machine!r} (supported: {sorted(_ARCHES)})")
+    arch, nr = _ARCHES[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO(EPERM)
+    arg = [16 + 8 * i for i in range(6)]  # seccomp_data.args[i] (low half, little endian)
+    prog: list[tuple[int, int, int, int]] = []  # (code, jt, jf, k); jumps are filled in relative
+    deny_at: list[int] = []  # instructions whose true branch goes to the final deny
+
+    def deny_if(code: int, k: int) -> None:
+        deny_at.append(len(prog))
+        prog.append((code, 0, 0, k))
+
+    prog.append((ld, 0, 0, 4))  # arch
+    prog.append((jeq, 1, 0, arch))
+    prog.append((ret, 0, 0, deny))
+    prog.append((ld, 0, 0, 0))  # nr
+    if machine == "x86_64":
+        deny_if(jge, _X32_BIT)
+    for name in _DENY_ALWAYS:
+        deny_if(jeq, nr[name])
+    pids = [p & 0xFFFFFFFF for p in protected if p > 0]
+    blocks: list[tuple[int, list[tuple[int, int]]]] = []  # (nr, [(arg offset, value)])
+    for name in _DENY_FOR_PID:
+        checks = [(arg[0], p) for p in pids]
+        if name == "kill":
+            checks += [(arg[0], 0xFFFFFFFF)] + [(arg[0], -g & 0xFFFFFFFF) for g in groups if g > 1]
+        blocks.append((nr[name], checks))
+    for name, whole_user in _DENY_FOR_WHO.items():
+        blocks.append((nr[name], [(arg[0], whole_user)] + [(arg[1], p) for p in pids + [g for g in groups if g > 0]]))
+    for number, checks in blocks:
+        prog.append((ld, 0, 0, 0))  # nr (the accumulator holds an argument after a block)
+        prog.append((jeq, 0, 2 * len(checks) + 1, number))  # not this call: skip the block
+        for offset, value in checks:
+            prog.append((ld, 0, 0, offset))
+            deny_if(jeq, value)
+        prog.append((ret, 0, 0, allow))
+    prog.append((ret, 0, 0, allow))
+    deny_pc = len(prog)
+    prog.append((ret, 0, 0, deny))
+    for i in deny_at:
+        code, _, jf, k = prog[i]
+        if deny_pc - i - 1 > 255:
+            raise RuntimeError("seccomp filter too long for 8-bit jumps")
+        prog[i] = (code, deny_pc - i - 1, jf, k)
+    return b"".join(struct.pack("<HBBI", *insn) for insn in prog)
+
+
+class Guard:
+    """Keeps the server out of its children's reach and notices if anything reached it anyway.
+
+    Three layers (docs/sandboxes.md, "The fork server is out of reach"):
+    1. the server is not dumpable (``PR_SET_DUMPABLE 0``): ptrace and /proc/<pid>/{mem,environ,fd,
+       maps,root,...} need CAP_SYS_PTRACE, which no child has; its /proc files belong to root;
+    2. each child runs under :func:`seccomp_filter` (with ``no_new_privs``), which refuses ptrace-like
+       calls outright and the pid-taking calls (signals, rlimits, priority, CPUs) aimed at the server;
+    3. after each request :meth:`changed` compares the server's rlimits, priority, CPUs, scheduler and
+       OOM score with those at start: any difference makes the worker dirty (replaced).
+    """
+
+    def __init__(self, protected: list[int], groups: list[int]) -> None:
+        import ctypes  # the server pays this once; children reuse it (forked)
+
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        if self.libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+        code = seccomp_filter(protected, groups, os.uname().machine)
+        self._filter = ctypes.create_string_buffer(code, len(code))
+
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        self._fprog = SockFprog(len(code) // 8, ctypes.addressof(self._filter))
+        self._fprog_ref = ctypes.byref(self._fprog)
+        self.start = self.snapshot()
+
+    def confine(self) -> None:
+        """In a fresh child: dumpable again (its own /proc is its own) and under the seccomp filter."""
+        libc = self.libc
+        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1: only this child's own files; the server stays 0
+        if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, self._fprog_ref, 0, 0) != 0:
+            os.write(2, b"sandbox: cannot install the seccomp filter\n")  # PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP
+            os._exit(125)
+
+    def check_supported(self) -> None:
+        """Fail at start (not per request) where the kernel cannot install the filter."""
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self.confine()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError("the kernel refused the children's seccomp filter (CONFIG_SECCOMP_FILTER?)")
+
+    @staticmethod
+    def snapshot() -> tuple[object, ...]:
+        limits = tuple(resource.getrlimit(getattr(resource, n)) for n in sorted(dir(resource))
+                       if n.startswith("RLIMIT_"))
+        try:
+            with open("/proc/self/oom_score_adj", "rb") as f:
+                oom = f.read()
+        except OSError:
+            oom = b"?"
+        return (limits, os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)),
+                os.sched_getscheduler(0), oom)
+
+    def changed(self) -> str:
+        """What differs from the start (empty: nothing). The filter should make this impossible."""
+        now = self.snapshot()
+        names = ("rlimits", "priority", "CPUs", "scheduler", "OOM score")
+        return ", ".join(n for n, a, b in zip(names, self.start, now, strict=True) if a != b)
+
+
+def sweep_sysv_ipc(libc: Any) -> None:
+    """Remove every SysV shared memory segment, semaphore set and message queue of this IPC namespace
+    (a request's objects outlive it otherwise; only called where the namespace is the worker's own)."""
+    for kind in ("shm", "sem", "msg"):
+        try:
+            with open(f"/proc/sysvipc/{kind}", "rb") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            ident = int(line.split()[1])
+            if kind == "shm":
+                rc = libc.shmctl(ident, 0, None)  # IPC_RMID = 0
+            elif kind == "sem":
+                rc = libc.semctl(ident, 0, 0)
+            else:
+                rc = libc.msgctl(ident, 0, None)
+            if rc != 0:
+                raise RuntimeError(f"could not remove SysV {kind} {ident}")
+
+
 class Server:
     def __init__(self, mode: str, workdir: str, scratch: list[str]) -> None:
         self.mode = mode
         self.workdir = workdir
-        self.scratch = [workdir, *scratch]
+        self.scratch = [d for d in (workdir, *scratch) if os.path.isdir(d)]
+        self.scratch_modes = {d: os.stat(d).st_mode & 0o7777 for d in self.scratch}
         self.pid = os.getpid()
         # Keep the protocol off fds 0/1 so children never inherit it.
         self.rfd = os.dup(0)
@@ -104,11 +319,15 @@ class Server:
         os.dup2(devnull, 0)
         os.dup2(devnull, 1)
         os.close(devnull)
-        if mode == "tree":
-            import ctypes
-
-            with contextlib.suppress(Exception):
-                ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        parent = os.getppid()
+        self.guard = Guard([self.pid, *([parent] if parent > 1 else [])], [os.getpgid(0)])
+        self.guard.check_supported()
+        if mode in ("tree", "host"):
+            self.guard.libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        # signals ignored or handled here would stay so in an exec'd child: reset them there
+        self.inherited_signals = [s for s in signal.valid_signals()
+                                  if s not in (signal.SIGKILL, signal.SIGSTOP)
+                                  and signal.getsignal(s) != signal.SIG_DFL]
 
     # -- process cleanup ---------------------------------------------------
     def _descendants(self) -> list[int]:
@@ -147,11 +366,19 @@ class Server:
             time.sleep(0.001)
 
     def wipe(self) -> None:
-        """Empty every writable directory (raises if something cannot be removed)."""
+        """Empty every writable directory and restore its mode and xattrs; sweep SysV IPC where the IPC
+        namespace is the worker's own (raises if something cannot be removed)."""
         for d in self.scratch:
             _empty_dir(d)
             if os.listdir(d):
                 raise RuntimeError(f"could not wipe {d}")
+            if os.stat(d).st_mode & 0o7777 != self.scratch_modes[d]:
+                os.chmod(d, self.scratch_modes[d])
+            with contextlib.suppress(OSError):  # ENOTSUP: no xattrs here
+                for name in os.listxattr(d):
+                    os.removexattr(d, name)
+        if self.mode != "host":
+            sweep_sysv_ipc(self.guard.libc)
 
     # -- one request ---------------------------------------------------------
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -187,12 +414,10 @@ class Server:
         os.close(r_in)
         res = self._supervise(req, pid, t0, r_out, r_err, w_in)
         res["files"] = {}
-        for name in req["fetch_files"]:
-            try:
-                with open(os.path.join(self.workdir, name), "rb") as f:
-                    res["files"][name] = base64.b64encode(f.read(req["max_file"] + 1)[: req["max_file"]]).decode()
-            except OSError:
-                pass
+        for name in req["fetch_files"]:  # every request process is gone by now
+            data = _read_inside(self.workdir, name, req["max_file"])
+            if data is not None:
+                res["files"][name] = base64.b64encode(data).decode()
         return res
 
     def _supervise(self, req: dict[str, Any], pid: int, t0: float, r_out: int, r_err: int, w_in: int) -> dict[str, Any]:
@@ -315,8 +540,11 @@ class Server:
         os.dup2(w_out, 1)
         os.dup2(w_err, 2)
         os.closerange(3, 65536)
-        for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+        for s in self.inherited_signals:
             signal.signal(s, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        os.umask(0o022)
+        self.guard.confine()
         cpu = max(1, int(req["cpu"] + 0.999))
         limits = [
             (resource.RLIMIT_CPU, (cpu, cpu + 1)),
@@ -402,6 +630,9 @@ class Server:
             try:
                 self.kill_all()
                 self.wipe()
+                changed = self.guard.changed()
+                if changed:
+                    raise RuntimeError(f"the fork server's {changed} changed during the request")
             except Exception as e:
                 res["dirty"] = f"{type(e).__name__}: {e}"
             _send(self.wfd, res)

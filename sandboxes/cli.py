@@ -14,7 +14,8 @@ from typing import Annotated, Any
 import typer
 
 from agentrl.errors import AgentrlError
-from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
+
+from .base import ExecRequest, ExecResult, Sandbox
 
 BACKENDS = ("local", "docker", "e2b", "sandboxfusion")
 
@@ -53,7 +54,7 @@ def register(app: typer.Typer) -> None:
         force: Annotated[bool, typer.Option(help="Rebuild even if the image exists.")] = False,
     ) -> None:
         """Build the default docker sandbox image locally (never pulls)."""
-        from agentrl.sandboxes.images import build_image
+        from .images import build_image
 
         if method not in ("auto", "debootstrap", "dockerfile"):
             raise typer.BadParameter(f"--method {method!r}: choose auto, debootstrap or dockerfile")

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from agentrl.sandboxes.base import (
+from .base import (
     BaseSandbox,
     ExecRequest,
     ExecResult,
@@ -45,7 +45,7 @@ from agentrl.sandboxes.base import (
     QueueConfig,
     sandbox_error,
 )
-from agentrl.sandboxes.local import SANDBOX_ENV, server_message, server_result
+from .local import SANDBOX_ENV, SCRATCH_DIRS, server_message, server_result
 
 _SERVER_SRC = Path(__file__).with_name("_forkserver.py").read_text()
 _HDR = struct.Struct(">I")
@@ -58,11 +58,11 @@ class DockerConfig(QueueConfig):
     model_config = ConfigDict(extra="forbid")
 
     image: str = Field(
-        "agentrl/python:3.11",
+        default="agentrl/python:3.11",
         description="local image (never pulled; build it with `agentrl sandbox build-image`)",
     )
     base_url: str | None = Field(
-        None, description="docker daemon address; default: $DOCKER_HOST, else the standard socket"
+        default=None, description="docker daemon address; default: $DOCKER_HOST, else the standard socket"
     )
     pool_size: int = Field(
         default=2, ge=1, le=256, description="containers in the pool, i.e. requests run at once"
@@ -75,9 +75,9 @@ class DockerConfig(QueueConfig):
     tmpfs_mb: int = Field(
         default=256, ge=1, description="size in MB of each container's /work and /tmp tmpfs"
     )
-    user: str = Field("65534:65534", description="uid:gid the containers and their execs run as")
+    user: str = Field(default="65534:65534", description="uid:gid the containers and their execs run as")
     python: str = Field(
-        "python3", description="interpreter in the image that runs the fork server and Python code"
+        default="python3", description="interpreter in the image that runs the fork server and Python code"
     )
     api_timeout_s: float = Field(default=60.0, gt=0, description="seconds allowed for each docker API call")
     backstop_s: float = Field(
@@ -86,7 +86,7 @@ class DockerConfig(QueueConfig):
         description="seconds beyond a request's wall_timeout_s before its container is replaced",
     )
     label: str = Field(
-        "org.agentrl.sandbox",
+        default="org.agentrl.sandbox",
         description="label key marking our containers (leftovers of dead runs are removed)",
     )
     #: ``exec``: one ``docker exec timeout -s KILL ... fork-server`` per request (containers idle on
@@ -94,7 +94,7 @@ class DockerConfig(QueueConfig):
     #: the attach stream (much faster; the code cannot signal its supervisor; the wall timeout is
     #: the server's own, with the host backstop killing the container).
     mode: Literal["exec", "server"] = Field(
-        "exec",
+        default="exec",
         description="exec: one docker exec per request; server: a warm fork server per container (faster)",
     )
 
@@ -205,7 +205,7 @@ class DockerSandbox(BaseSandbox):
                 "(sandbox images are never pulled)"
             ) from None
         server = c.mode == "server"
-        command = ([c.python, "-I", "-S", "-c", _SERVER_SRC, "ns", "/work", "/tmp", "/dev/shm"] if server
+        command = ([c.python, "-I", "-S", "-c", _SERVER_SRC, "ns", *SCRATCH_DIRS] if server
                    else ["sleep", "infinity"])
         # containers.create, not containers.run: run() would pull a missing image
         container = self.client.containers.create(
@@ -328,7 +328,7 @@ class DockerSandbox(BaseSandbox):
                 healthy = result.status in ("ok", "error", "output_limit") and "dirty" not in res
                 return result
             argv = ["timeout", "-s", "KILL", f"{wall + 2:.3f}",
-                    self.config.python, "-I", "-S", "-c", _SERVER_SRC, "tree", "/work", "/tmp"]
+                    self.config.python, "-I", "-S", "-c", _SERVER_SRC, "tree", *SCRATCH_DIRS]
             env = {**SANDBOX_ENV}
             payload = server_message(request, env, 0)
             try:

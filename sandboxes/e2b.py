@@ -26,12 +26,13 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from agentrl.sandboxes.base import (
+from .base import (
     BaseSandbox,
     ExecRequest,
     ExecResult,
     LimitConfig,
     QueueConfig,
+    Status,
     decode_capped,
     sandbox_error,
 )
@@ -40,7 +41,7 @@ RESULT_MARK = "__agentrl_result__ "
 
 RUNNER = r'''
 def _agentrl_run(spec_b64):
-    import base64, json, os, resource, shutil, signal, subprocess, sys, tempfile, time
+    import base64, json, os, resource, shutil, signal, stat, subprocess, sys, tempfile, time
     spec = json.loads(base64.b64decode(spec_b64))
     def pids():
         return {int(p) for p in os.listdir("/proc") if p.isdigit()}
@@ -110,12 +111,20 @@ def _agentrl_run(spec_b64):
             out["supervisor_killed"] = not out["timeout"]
         out["stdout"] = base64.b64encode(so[:cap + 1]).decode()
         out["stderr"] = base64.b64encode(se[:cap + 1]).decode()
-        for name in spec["fetch_files"]:
+        root = os.path.realpath(work)
+        for name in spec["fetch_files"]:  # regular files inside the work dir only (no link out, no FIFO)
+            path = os.path.realpath(os.path.join(work, name))
+            if os.path.commonpath([root, path]) != root:
+                continue
             try:
-                with open(os.path.join(work, name), "rb") as f:
-                    out["files"][name] = base64.b64encode(f.read()).decode()
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             except OSError:
-                pass
+                continue
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                continue
+            with open(fd, "rb") as f:
+                out["files"][name] = base64.b64encode(f.read(spec["max_file"])).decode()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(logs, ignore_errors=True)
@@ -129,15 +138,15 @@ class E2BConfig(QueueConfig):
     model_config = ConfigDict(extra="forbid")
 
     template: str | None = Field(
-        None, description="e2b template name or id; default: the SDK's code-interpreter one"
+        default=None, description="e2b template name or id; default: the SDK's code-interpreter one"
     )
-    api_key: str | None = Field(None, description="e2b API key; default: $E2B_API_KEY")
+    api_key: str | None = Field(default=None, description="e2b API key; default: $E2B_API_KEY")
     debug: bool = Field(
-        False,
+        default=False,
         description="talk to a local code-interpreter server, not the e2b cloud (no key); false: $E2B_DEBUG",
     )
     sandbox_url: str | None = Field(
-        None, description="URL of the code-interpreter server; default: $E2B_SANDBOX_URL, else the SDK's own"
+        default=None, description="URL of the code-interpreter server; default: $E2B_SANDBOX_URL, else the SDK's own"
     )
     pool_size: int = Field(
         default=2, ge=1, le=256, description="e2b sandboxes in the pool, i.e. requests run at once"
@@ -186,6 +195,7 @@ def parse_runner_output(stdout: str, request: ExecRequest, wall_s: float) -> Exe
     so, so_cut = decode_capped(base64.b64decode(out["stdout"]), cap)
     se, se_cut = decode_capped(base64.b64decode(out["stderr"]), cap)
     code = out["exit_code"]
+    status: Status
     if out["timeout"] or code in (-24,):  # SIGXCPU
         status = "timeout"
     elif so_cut or se_cut:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from agentrl.sandboxes.base import (
+from .base import (
     BaseSandbox,
     ExecRequest,
     ExecResult,
@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 _HDR = struct.Struct(">I")
 _FORKSERVER = Path(__file__).with_name("_forkserver.py")
 _ids = itertools.count()
+
+#: The writable directories of a sandbox, the work dir first: the fork server empties them after each request.
+SCRATCH_DIRS = ("/work", "/tmp", "/dev/shm", "/dev/mqueue")
 
 SANDBOX_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -68,7 +71,7 @@ class LocalConfig(QueueConfig):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["pool", "fresh"] = Field(
-        "pool",
+        default="pool",
         description="pool: warm fork-server workers, reused; fresh: one new bwrap per request (slower)",
     )
     pool_size: int = Field(
@@ -78,20 +81,20 @@ class LocalConfig(QueueConfig):
         default=10_000, ge=1, description="requests a worker serves before it is replaced (bounds slow leaks)"
     )
     unsafe_local: bool = Field(
-        False,
+        default=False,
         description="run code on the host without bubblewrap, with rlimits only (no isolation: dangerous)",
     )
     allow_network: bool = Field(
-        False,
+        default=False,
         description="run requests with network: true (each in a fresh bwrap); false: they get sandbox_error",
     )
-    bwrap: str = Field("bwrap", description="bubblewrap executable (name on PATH or path)")
+    bwrap: str = Field(default="bwrap", description="bubblewrap executable (name on PATH or path)")
     python: str = Field(
-        "/usr/bin/python3",
+        default="/usr/bin/python3",
         description="interpreter of the fork server and Python code (in bwrap: under /usr or in ro_binds)",
     )
-    uid: int = Field(65534, description="uid of the code inside bwrap (and on the host when run as root)")
-    gid: int = Field(65534, description="gid of the code inside bwrap (and on the host when run as root)")
+    uid: int = Field(default=65534, description="uid of the code inside bwrap (and on the host when run as root)")
+    gid: int = Field(default=65534, description="gid of the code inside bwrap (and on the host when run as root)")
     ro_binds: list[str] = Field(
         default_factory=list, description="extra host paths bound read-only at the same place (e.g. a venv)"
     )
@@ -99,7 +102,7 @@ class LocalConfig(QueueConfig):
         default=256, ge=1, description="size in MB of each tmpfs in bwrap (/work, /tmp, /dev/shm)"
     )
     cgroups: Literal["auto", "off"] = Field(
-        "auto",
+        default="auto",
         description="auto: a memory and pids cgroup per worker where writable; off: none (rlimits only)",
     )
     server_overhead_mb: int = Field(
@@ -230,11 +233,11 @@ class Worker:
             if as_root:
                 for p in host_dirs:
                     os.chown(p, config.uid, config.gid)
-            argv = [config.python, "-I", "-S", str(server_path), "tree", str(workdir), str(scratch)]
+            argv = [config.python, "-I", "-S", str(server_path), "host", str(workdir), str(scratch)]
             request_env = {**SANDBOX_ENV, "HOME": str(workdir), "TMPDIR": str(scratch)}
         else:
             argv = [config.bwrap, *bwrap_args(config, server_path, network=network),
-                    config.python, "-I", "-S", "/.agentrl/forkserver.py", "ns", "/work", "/tmp", "/dev/shm"]
+                    config.python, "-I", "-S", "/.agentrl/forkserver.py", "ns", *SCRATCH_DIRS]
             request_env = SANDBOX_ENV
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -381,6 +384,8 @@ def bwrap_args(config: LocalConfig, server_path: Path, *, network: bool = False)
         "--size", str(config.tmpfs_mb << 20), "--tmpfs", "/tmp",
         "--size", str(config.tmpfs_mb << 20), "--tmpfs", "/work",
         "--size", str(config.tmpfs_mb << 20), "--tmpfs", "/dev/shm",
+        "--mqueue", "/dev/mqueue",  # POSIX message queues become files the server can sweep
+        "--remount-ro", "/dev",  # the device nodes stay usable; nothing new can be left in /dev
         "--ro-bind", str(server_path), "/.agentrl/forkserver.py",
         "--remount-ro", "/",
     ]

@@ -15,12 +15,13 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from agentrl.sandboxes.base import (
+from .base import (
     BaseSandbox,
     ExecRequest,
     ExecResult,
     LimitConfig,
     QueueConfig,
+    Status,
     sandbox_error,
 )
 
@@ -31,7 +32,7 @@ class SandboxFusionConfig(QueueConfig):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(
-        "http://localhost:8080", description="base URL of the SandboxFusion service (POST {url}/run_code)"
+        default="http://localhost:8080", description="base URL of the SandboxFusion service (POST {url}/run_code)"
     )
     max_concurrency: int = Field(
         default=16, ge=1, description="requests in flight at once (also the HTTP pool size)"
@@ -70,6 +71,7 @@ def from_body(body: dict[str, Any], request: ExecRequest, wall_s: float) -> Exec
     out_cut, err_cut = len(raw_out) > cap, len(raw_err) > cap
     code = run.get("return_code")
     stderr = raw_err[:cap].decode("utf-8", "replace")
+    status: Status
     if run.get("status") == "TimeLimitExceeded" or compile_.get("status") == "TimeLimitExceeded":
         status = "timeout"
     elif out_cut or err_cut:

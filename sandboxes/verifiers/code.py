@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from agentrl.registry import check_named_plugin
 from agentrl.rewards import RewardResult
-from agentrl.sandboxes.base import ExecRequest, ExecResult, Sandbox
 from agentrl.types import Message
+
+from ..base import ExecRequest, ExecResult, Sandbox
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 

@@ -25,8 +25,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.rewards import RewardResult
-from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
 from agentrl.types import Message
+
+from .workers import ProcessPool, WorkerError
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 _ANSWER = re.compile(r"answer\s*(?:is)?\s*[:：]\s*(.+)", re.IGNORECASE)

@@ -207,26 +207,26 @@ def sandboxfusion_server() -> Iterator[ServerThread]:
 
 
 @contextlib.asynccontextmanager
-async def open_backend(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
-    """A started backend of kind ``name`` (skips when it cannot run here)."""
+async def open_backend(name: str, request: pytest.FixtureRequest, *, pool_size: int = 2) -> AsyncIterator[Any]:
+    """A started backend of kind ``name`` with ``pool_size`` warm workers (skips when it cannot run here)."""
     if name == "local":
         if bwrap_skip_reason():
             pytest.skip(bwrap_skip_reason() or "")
         from agentrl.sandboxes.local import LocalConfig, LocalSandbox
 
-        sb: Any = LocalSandbox(LocalConfig(pool_size=2))
+        sb: Any = LocalSandbox(LocalConfig(pool_size=pool_size))
     elif name in ("docker", "docker-server"):
         reason = request.getfixturevalue("docker_reason")
         if reason:
             pytest.skip(reason)
         from agentrl.sandboxes.docker import DockerConfig, DockerSandbox
 
-        sb = DockerSandbox(DockerConfig(pool_size=2, mode="server" if name == "docker-server" else "exec"))
+        sb = DockerSandbox(DockerConfig(pool_size=pool_size, mode="server" if name == "docker-server" else "exec"))
     elif name == "e2b":
         from agentrl.sandboxes.e2b import E2BConfig, E2BSandbox
 
         server = request.getfixturevalue("e2b_server")
-        sb = E2BSandbox(E2BConfig(debug=True, sandbox_url=server.url, pool_size=2))
+        sb = E2BSandbox(E2BConfig(debug=True, sandbox_url=server.url, pool_size=pool_size))
     elif name == "sandboxfusion":
         from agentrl.sandboxes.sandboxfusion import SandboxFusionConfig, SandboxFusionSandbox
 
@@ -292,6 +292,6 @@ def proc_tools() -> type[ProcTools]:
 
 
 @pytest.fixture(scope="session")
-def backend_opener() -> Callable[[str, pytest.FixtureRequest], Any]:
-    """``async with backend_opener(name, request) as sb``: a started backend, or a skip."""
+def backend_opener() -> Callable[..., Any]:
+    """``async with backend_opener(name, request[, pool_size=N]) as sb``: a started backend, or a skip."""
     return open_backend

@@ -81,3 +81,47 @@ async def test_network_request_is_refused_by_default(
             pytest.skip("e2b sandboxes decide network access at creation (template/allow_internet_access)")
         r = await sb.run(ExecRequest(code="print(1)", network=True))
         assert r.status == "sandbox_error" and "network" in r.message
+
+
+#: Links out of the work dir (absolute, relative, through a linked directory, /proc magic links),
+#: links that stay inside, and a missing file.
+LINKS = (
+    "import os\n"
+    "os.symlink('/etc/passwd', 'passwd.txt')\n"
+    "os.symlink('/proc/1/environ', 'environ.txt')\n"
+    "os.symlink('/proc/self/cwd/../../etc/hostname', 'hostname.txt')\n"
+    "os.symlink('../../../../../../etc/passwd', 'relative.txt')\n"
+    "os.symlink('/', 'root')\n"
+    "os.makedirs('sub')\n"
+    "open('sub/real.txt', 'w').write('inside')\n"
+    "os.symlink('sub/real.txt', 'inner.txt')\n"
+    "os.symlink(os.path.abspath('sub'), 'subdir')\n"
+    "open('plain.txt', 'w').write('plain')\n"
+)
+
+
+async def test_fetch_files_never_follow_a_link_out_of_the_work_dir(
+    backend: str, backend_opener: Any, request: pytest.FixtureRequest
+) -> None:
+    """A returned file is read from inside the work dir or not at all: the same rule on every backend."""
+    async with backend_opener(backend, request) as sb:
+        r = await sb.run(ExecRequest(
+            code=LINKS, wall_timeout_s=10,
+            fetch_files=["passwd.txt", "environ.txt", "hostname.txt", "relative.txt", "root/etc/passwd",
+                         "inner.txt", "subdir/real.txt", "missing.txt", "plain.txt"],
+        ))
+        assert r.status == "ok", r
+        assert r.files == {"plain.txt": b"plain", "inner.txt": b"inside", "subdir/real.txt": b"inside"}, r.files
+
+
+async def test_fetch_files_returns_regular_files_only(
+    backend: str, backend_opener: Any, request: pytest.FixtureRequest
+) -> None:
+    """A FIFO or a directory named in fetch_files is left out; opening the FIFO must not hang the backend."""
+    async with backend_opener(backend, request) as sb:
+        r = await sb.run(ExecRequest(
+            code="import os\nos.mkfifo('fifo.txt')\nos.mkdir('dir.txt')\nopen('plain.txt', 'w').write('plain')\n",
+            wall_timeout_s=10, fetch_files=["fifo.txt", "dir.txt", "plain.txt"],
+        ))
+        assert r.status == "ok", r
+        assert r.files == {"plain.txt": b"plain"}, r.files
