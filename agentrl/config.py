@@ -50,7 +50,11 @@ class RunSection(_Section):
         description="run directory under output_dir (a timestamp is added if it exists and is not empty)",
     )
     output_dir: str = Field("runs", description="directory that holds the run directories")
-    seed: int = Field(0, description="seed of the training task order and of every episode's sampling")
+    seed: int = Field(
+        0,
+        description="the run's one seed: the training task order, every episode's sampling, "
+        "the trainer's RNGs (trainer.seed) and the engine's default sampler seed (engine.seed)",
+    )
     steps: int = Field(100, ge=1, description="optimizer steps to train")
     save_every: int = Field(50, ge=1, description="checkpoint every N steps (and at the end)")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps; 0 = never")

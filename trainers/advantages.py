@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from agentrl.trainers import turn_credit
+from agentrl.trainers.config import AdvantageName, StepNorm
 from agentrl.types import TrainSample
 
 
@@ -136,7 +137,7 @@ class Advantages:
 
 def compute_advantages(
     groups: Sequence[Sequence[TrainSample]],
-    estimator: str,
+    estimator: AdvantageName,
     *,
     gamma: float = 1.0,
     lam: float = 1.0,
@@ -144,7 +145,7 @@ def compute_advantages(
     kl_penalty: Sequence[Sequence[torch.Tensor]] | None = None,
     values: Sequence[Sequence[torch.Tensor]] | None = None,
     step_weight: float = 1.0,
-    step_norm: str = "std",
+    step_norm: StepNorm = "std",
 ) -> Advantages:
     """Advantages for every sample of every group, in the same nested order, flattened.
 
@@ -201,14 +202,14 @@ def compute_advantages(
 
 def _turn_advantages(
     groups: Sequence[Sequence[TrainSample]],
-    estimator: str,
+    estimator: AdvantageName,
     gamma: float,
     eps: float,
     flat_kl: Sequence[torch.Tensor] | None,
     masks: Sequence[torch.Tensor],
     samples: Sequence[TrainSample],
     step_weight: float,
-    step_norm: str,
+    step_norm: StepNorm,
 ) -> Advantages:
     """turn_rloo or gigpo over every group (`turn_credit`); returns are the per-token turn returns."""
     advs: list[torch.Tensor] = []
@@ -244,7 +245,7 @@ def _episode_return(returns: torch.Tensor, sample: TrainSample) -> float:
 def _group_baseline(
     returns: list[torch.Tensor],
     episode: torch.Tensor,
-    estimator: str,
+    estimator: AdvantageName,
     eps: float,
     masks: Sequence[torch.Tensor],
 ) -> list[torch.Tensor]:

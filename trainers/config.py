@@ -17,6 +17,7 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OffPolicyMode = Literal["none", "tis", "mis_token", "mis_seq", "decoupled"]
 Schedule = Literal["constant", "linear", "cosine"]
+StepNorm = Literal["std", "mean"]
 
 
 class _Section(BaseModel):
@@ -135,7 +136,7 @@ class GigpoConfig(_Section):
     step_weight: float = Field(
         1.0, ge=0.0, description="weight of the step advantage added to the episode advantage (0 = GRPO)"
     )
-    step_norm: Literal["std", "mean"] = Field(
+    step_norm: StepNorm = Field(
         "std", description="step groups: std = z-score within the group, mean = centre only"
     )
 
@@ -200,7 +201,8 @@ class TrainerConfig(_Section):
     temperature: float = Field(
         1.0,
         gt=0.0,
-        description="the engines' sampling temperature: logits are divided by it before logprobs and entropy",
+        description="the engines' sampling temperature: logits are divided by it before logprobs and entropy; "
+        "in a run always rollout.sampling.temperature (set that)",
     )
     critic: CriticConfig | None = Field(
         None, description="PPO value model; required by advantage=gae, an error with the other estimators"
@@ -304,7 +306,9 @@ class TrainerConfig(_Section):
     )
 
     seed: int = Field(
-        0, description="seed of the python, numpy and torch RNGs, set when the trainer is built"
+        0,
+        description="seed of the python, numpy and torch RNGs, set when the trainer is built; in a run always "
+        "run.seed (set that)",
     )
     device: str = Field(
         "cpu",

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrl.trainers.config import KLEstimator, LossAgg
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi (Schulman's k1/k2/k3).
 
     k1 = log pi - log ref (unbiased, can be negative); k2 = 0.5 (log pi - log ref)^2;
@@ -95,7 +97,7 @@ def value_loss(
 def aggregation_weights(
     mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    mode: str,
+    mode: LossAgg,
     *,
     num_seqs: int,
     num_tokens: int,
@@ -125,7 +127,7 @@ def aggregation_weights(
     )
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: LossAgg) -> torch.Tensor:
     """Aggregate a padded [batch, time] per-token loss (reference form of the weights above)."""
     mask = mask.to(loss.dtype)
     if mode == "token_mean":
@@ -165,7 +167,7 @@ def policy_loss(
     clip_high: float,
     dual_clip: float | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: KLEstimator = "k3",
     entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The full per-micro-batch policy objective (to minimise) and its parts (detached sums).

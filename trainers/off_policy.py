@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrl.trainers.config import OffPolicyMode
+
 
 def off_policy_weights(
     prox_logprobs: torch.Tensor,
     behav_logprobs: torch.Tensor,
     mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    mode: str,
+    mode: OffPolicyMode,
     *,
     tis_cap: float = 2.0,
     mis_low: float = 0.5,
@@ -96,7 +98,7 @@ class MismatchStats:
         trainer_version: int,
         weights: torch.Tensor,
         *,
-        mode: str,
+        mode: OffPolicyMode,
         tis_cap: float,
     ) -> None:
         """Fold one micro-batch in. `weights` are what `off_policy_weights` returned."""

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from agentrl.trainers.config import StepNorm
 from agentrl.types import TrainSample
 
 
@@ -102,7 +103,7 @@ def gigpo(
     tables: Sequence[torch.Tensor],
     *,
     step_weight: float,
-    step_norm: str,
+    step_norm: StepNorm,
     eps: float,
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Episode plus step advantages (module docstring); per-token advantages and step-group counts."""
