@@ -116,7 +116,7 @@ def check_env_command(
     timeout: Annotated[float, typer.Option(help="Deadline in seconds for each env call.")] = 30.0,
 ) -> None:
     """Check an env against the agentrl env contract (like gymnasium's env_checker)."""
-    from agentrl.testing import EnvCheckError, check_env
+    from agentrl.env_check import EnvCheckError, check_env
 
     plugins = _discover(plugin)
     env = plugins.create_env(name, _parse_params(param))

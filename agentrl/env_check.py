@@ -10,7 +10,9 @@ problem it finds (rather than stopping at the first), then raises one
 - `tools`: valid OpenAI function schemas with unique names;
 - `reset(task, seed=...)`: `(list[Message], dict)`, the same messages for the same seed;
 - `step(action)`: a `StepResult` with `bool` terminated/truncated, a finite float
-  reward, non-assistant messages and a dict info;
+  reward, non-assistant messages, a dict info and well-typed signals
+  (`reward_breakdown`, `truncation_reason`, `tool_errors`, `tool_timeouts`;
+  a warning when `info` still carries those names);
 - `close()`: may be called twice.
 
 Every call runs under a deadline, so a hanging env is reported, not waited on.
@@ -277,7 +279,27 @@ class _Checker:
             if type(value) is not bool:
                 self.problem(f"{what} {flag} must be a bool, got {type(value).__name__} {value!r}")
         self.check_info(what, result.info)
+        self.check_signals(what, result)
         return result
+
+    def check_signals(self, what: str, result: StepResult) -> None:
+        """The typed signals the rollout records; the same names in `info` are not read any more."""
+        breakdown = result.reward_breakdown
+        if not isinstance(breakdown, dict) or not all(
+            isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) for k, v in breakdown.items()
+        ):
+            self.problem(f"{what} reward_breakdown must map names to floats, got {breakdown!r}")
+        if result.truncation_reason is not None and not isinstance(result.truncation_reason, str):
+            self.problem(f"{what} truncation_reason must be a str or None, got {result.truncation_reason!r}")
+        for key in ("tool_errors", "tool_timeouts"):
+            value = getattr(result, key)
+            if value is not None and (type(value) is not int or value < 0):
+                self.problem(f"{what} {key} must be a count (int >= 0) or None, got {value!r}")
+        moved = sorted(k for k in ("reward_breakdown", "truncation_reason", "tool_errors", "tool_timeouts", "state_key")
+                       if isinstance(result.info, dict) and k in result.info)
+        if moved:
+            self.warn(f"{what} info holds {moved}: the rollout reads these from StepResult fields "
+                      "(and the state key from Env.state_key()), not from info")
 
     async def episode(self, index: int, task: Task, seed: int, policy: Policy, max_steps: int) -> None:
         first = await self.reset(task, seed)

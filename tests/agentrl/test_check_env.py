@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
-from agentrl.testing import EnvCheckError, acheck_env, check_env
+from agentrl.env_check import EnvCheckError, acheck_env, check_env
 from agentrl.types import Message
 
 
@@ -94,6 +94,25 @@ def test_bad_step_results_are_all_listed() -> None:
     assert has(problems, "truncated must be a bool", "str")
     assert has(problems, "info must be a dict", "list")
     assert has(problems, "role 'assistant'", "env messages are system/user/tool")
+
+
+def test_bad_signals_are_problems_and_signals_left_in_info_a_warning() -> None:
+    class BadSignals(GuessEnv):
+        async def step(self, action: Message) -> StepResult:
+            return StepResult(messages=[], reward=1.0, terminated=True, reward_breakdown={"a": "x"},  # type: ignore[dict-item]
+                              tool_errors=-1, truncation_reason=3)  # type: ignore[arg-type]
+
+    problems = problems_of(BadSignals(), n_episodes=1)
+    assert has(problems, "reward_breakdown must map names to floats")
+    assert has(problems, "tool_errors must be a count")
+    assert has(problems, "truncation_reason must be a str or None")
+
+    class OldStyle(GuessEnv):
+        async def step(self, action: Message) -> StepResult:
+            return StepResult(messages=[], reward=1.0, terminated=True, info={"reward_breakdown": {"a": 1.0}})
+
+    report = check_env(OldStyle(), n_episodes=1)
+    assert any("info holds ['reward_breakdown']" in w for w in report.warnings)
 
 
 def test_reward_type_and_step_return_type() -> None:

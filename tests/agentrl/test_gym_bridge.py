@@ -18,7 +18,7 @@ from agentrl.gym_bridge import (
     strip_ansi,
 )
 from agentrl.registry import Plugins
-from agentrl.testing import check_env
+from agentrl.env_check import check_env
 from agentrl.types import Message
 
 FROZEN = ["left", "down", "right", "up"]

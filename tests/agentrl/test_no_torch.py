@@ -21,7 +21,7 @@ CORE = [
     "agentrl.errors",
     "agentrl.rewards",
     "agentrl.rollout_config",
-    "agentrl.testing",
+    "agentrl.env_check",
     "agentrl.gym_bridge",
     "agentrl.cli",
     "agentrl.trainers.config",

@@ -231,7 +231,7 @@ async def test_few_shot_demonstrations_are_prompt_tokens() -> None:
 
 
 async def test_check_env_passes() -> None:
-    from agentrl.testing import acheck_env
+    from agentrl.env_check import acheck_env
 
     # with and without few-shot demonstration turns in the prompt
     for k in (0, 2):

@@ -1,4 +1,4 @@
-"""Every built-in env of this area passes agentrl.testing.check_env."""
+"""Every built-in env of this area passes agentrl.env_check.check_env."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from agentrl.envs.math_env import MathEnv
 from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
 from agentrl.resources import RunResources
 from agentrl.rewards import RewardResult
-from agentrl.testing import acheck_env
+from agentrl.env_check import acheck_env
 from agentrl.types import Message
 
 

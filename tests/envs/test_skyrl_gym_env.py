@@ -14,7 +14,7 @@ from agentrl.engines.scripted import ScriptedEngine
 from agentrl.envs.skyrl_gym_env import SkyRLGymEnv
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import run_episode
-from agentrl.testing import check_env
+from agentrl.env_check import check_env
 
 
 def rows(path: Path, items: list[dict[str, object]]) -> dict[str, str]:
