@@ -488,8 +488,12 @@ def check_named_plugin(
         raise ValueError(f"name: {e}") from None
 
 
-class PluginSpec(BaseModel):
-    """A plugin named in a config with its own params: `{name: ..., params: {...}}`.
+class PluginRef(BaseModel):
+    """A plugin named inside another plugin's config, with its own params: `{name: ..., params: {...}}`.
+
+    (A sandbox of the code env, a reward of the math env, a member of a mix.) Not to be
+    confused with `agentrl.config.PluginSpec`, a run-level section (`env:`, `engine:`,
+    `trainer:`) whose params sit beside `name`.
 
     Subclasses set `kind` (the registry kind) and declare `name` and `params`
     (their defaults, descriptions and place among the subclass's own fields).

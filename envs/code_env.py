@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
-from agentrl.registry import PluginSpec
+from agentrl.registry import PluginRef
 from agentrl.resources import RunResources
 from agentrl.types import JSON, Message
 
@@ -39,7 +39,7 @@ INSTRUCTIONS = (
 )
 
 
-class SandboxSpec(PluginSpec):
+class SandboxSpec(PluginRef):
     """Which sandbox plugin runs the programs, and its params (checked when the config loads)."""
 
     kind: ClassVar[str] = "sandboxes"

@@ -33,14 +33,14 @@ from pydantic import Field, model_validator
 
 from agentrl.env import MIX_MEMBER_KEY as MEMBER_KEY
 from agentrl.env import Env, EnvConfig, StepResult, Task
-from agentrl.registry import PluginSpec
+from agentrl.registry import PluginRef
 from agentrl.resources import RunResources
 from agentrl.types import JSON, Message
 
 from .tool_support import resolve_plugins, run_resources
 
 
-class MemberSpec(PluginSpec):
+class MemberSpec(PluginRef):
     """One env of the mixture: a plugin name, its params, a weight and a label."""
 
     kind: ClassVar[str] = "envs"

@@ -14,14 +14,14 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from agentrl.env import Task
-from agentrl.registry import PluginSpec
+from agentrl.registry import PluginRef
 from agentrl.rewards import Reward, RewardResult, weighted
 from agentrl.types import JSON, Message
 
 NamedReward = tuple[str, float, Reward]
 
 
-class RewardSpec(PluginSpec):
+class RewardSpec(PluginRef):
     """One reward plugin by name, its weight in the mix and its own params (checked when the config loads)."""
 
     kind: ClassVar[str] = "rewards"

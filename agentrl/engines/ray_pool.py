@@ -46,13 +46,13 @@ from agentrl.engines.base import (
 )
 from agentrl.engines.routing import PrefixRouter
 from agentrl.ray_runtime import actor_died, require_free, start_or_join
-from agentrl.registry import Plugins, PluginSpec
+from agentrl.registry import PluginRef, Plugins
 from agentrl.types import JSON, Completion
 
 log = logging.getLogger(__name__)
 
 
-class ReplicaSpec(PluginSpec):
+class ReplicaSpec(PluginRef):
     """The engine plugin each replica runs, and its params (model and dtype come from the pool)."""
 
     kind: ClassVar[str] = "engines"
