@@ -20,9 +20,9 @@ import json
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from agentrl.chat import Budgets, ChatTokenizer, Conversation
 from agentrl.engines.base import InferenceEngine, Sampling
@@ -31,6 +31,7 @@ from agentrl.tool_parsers import ToolCallParser
 from agentrl.types import JSON, Completion, Message, ToolCall, Trajectory, Turn, new_id
 
 RETRY_CACHE = 16  # answers kept per session for retried requests
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -112,6 +113,14 @@ def divergence(branch: Branch, messages: Sequence[Message], tools_key: str) -> s
     return "parallel call on a busy branch" if branch.busy else "prompt resent with new messages after a failed call"
 
 
+def _template(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call into the chat template; a template that cannot render the messages is the request's fault (400)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise bad(f"the chat template cannot render these messages: {type(e).__name__}: {e}", "messages") from e
+
+
 class Session:
     """One episode's calls and the trajectories they make; safe under concurrent calls."""
 
@@ -171,7 +180,7 @@ class Session:
             added = extension(branch, request.messages, tools_key)
             if added is None:
                 continue
-            if not branch.conv.awaiting_generation and not branch.conv.add_messages(added):
+            if not branch.conv.awaiting_generation and not _template(branch.conv.add_messages, added):
                 self.truncation_reason = "max_total_tokens"
                 raise bad(
                     f"the conversation would exceed max_total_tokens={branch.conv.budgets.max_total_tokens}",
@@ -182,7 +191,8 @@ class Session:
         parent = self.last_branch if isinstance(self.last_branch, Branch) else None
         reason = divergence(parent, request.messages, tools_key) if parent else "first call"
         tools = request.tools if self.backend.tools_in_prompt else None
-        conv = Conversation(self.backend.tokenizer, list(request.messages), tools=tools, budgets=self.backend.budgets)
+        conv = _template(Conversation, self.backend.tokenizer, list(request.messages), tools=tools,
+                         budgets=self.backend.budgets)
         if len(conv.token_ids) >= self.backend.budgets.max_total_tokens:
             self.truncation_reason = "max_total_tokens"
             raise bad(f"the prompt has {len(conv.token_ids)} tokens, max_total_tokens="
