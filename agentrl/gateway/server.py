@@ -199,6 +199,8 @@ class Gateway:
     async def _models(self, request: web.Request) -> web.Response:
         if "sid" in request.match_info:
             self._session(request)
+        elif self.config.token and self._bearer(request) != self.config.token:
+            self._session(request)  # a session key will do; anything else is a 401
         model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
         return web.json_response({"object": "list", "data": [model]})
 
