@@ -10,15 +10,10 @@ from gymnasium.spaces import Text
 from gymnasium.utils.env_checker import check_env as gymnasium_check_env
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
-from agentrl.gym_bridge import (
-    GymnasiumEnv,
-    GymnasiumEnvConfig,
-    register_gymnasium,
-    render_messages,
-    strip_ansi,
-)
-from agentrl.registry import Plugins
 from agentrl.env_check import check_env
+from agentrl.gym_bridge import GymnasiumEnv, GymnasiumEnvConfig, strip_ansi
+from agentrl.gym_export import register_gymnasium, render_messages
+from agentrl.registry import Plugins
 from agentrl.types import Message
 
 FROZEN = ["left", "down", "right", "up"]

@@ -23,6 +23,9 @@ CORE = [
     "agentrl.rollout_config",
     "agentrl.env_check",
     "agentrl.gym_bridge",
+    "agentrl.gym_export",
+    "agentrl.tokenizers",
+    "agentrl.resources",
     "agentrl.cli",
     "agentrl.trainers.config",
 ]
