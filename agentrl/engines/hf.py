@@ -40,7 +40,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ from pydantic import Field
 
 from agentrl.engines.base import EngineClosed as EngineClosed  # re-exported: callers catch it from here
 from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, WeightSource
+from agentrl.engines.hf_kv import KVBatch, merge, pack, past_cache, plain_kv_cache, row_kv, select
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
 from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
@@ -71,15 +72,7 @@ class _Request:
     epoch: int = -1  # weights epoch at admission: its KV is cacheable only while that epoch lasts
 
 
-@dataclass
-class _Batch:
-    """The running rows and their shared left-padded KV cache (worker thread only)."""
-
-    rows: list[_Request]
-    cache: Any  # transformers DynamicCache
-    attn: torch.Tensor  # [B, L] 1 = real token in the cache, 0 = left padding
-    pos: torch.Tensor  # [B] position id of the next input token
-    next_ids: torch.Tensor  # [B] last sampled token, not yet in the cache
+_Batch = KVBatch[_Request]  # the running rows and their KV cache (agentrl.engines.hf_kv)
 
 
 class HFEngine:
@@ -132,7 +125,7 @@ class HFEngine:
         self.tokens_generated = 0
         self.worker_threads = 0  # torch intra-op threads of the worker, set when it starts
         self._weights_epoch = 0  # bumped by every weight copy; cached KV matches only its own epoch
-        self._prefix = PrefixCache(cfg.prefix_cache_tokens if _plain_kv_cache(self.model) else 0)
+        self._prefix = PrefixCache(cfg.prefix_cache_tokens if plain_kv_cache(self.model) else 0)
         self.prefill_tokens = 0  # prompt tokens run through the model at admission
         self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.prefix_hits = 0  # admitted requests with a cache hit
@@ -235,8 +228,8 @@ class HFEngine:
         first, hits, later = self._split(new)
         fresh = self._prefill(first, hits)
         if later:  # their prefixes are in the store now, left there by `first`
-            fresh = _merge(fresh, self._prefill(later, self._lookup(later)))
-        merged = fresh if batch is None else _merge(batch, fresh)
+            fresh = merge(fresh, self._prefill(later, self._lookup(later)))
+        merged = fresh if batch is None else merge(batch, fresh)
         return self._retire(merged)
 
     def _lookup(self, reqs: list[_Request]) -> list[tuple[PrefixEntry | None, int]]:
@@ -272,7 +265,7 @@ class HFEngine:
 
         Row i of the call: [pad | cached KV of n_i tokens] as past (width P = max n_i),
         then [pad | prompt[n_i:]] as input (width S); the mask has a hole between the
-        two parts where n_i < P and the suffix is shorter than S. `_pack` closes it.
+        two parts where n_i < P and the suffix is shorter than S. `hf_kv.pack` closes it.
         """
         dev = self.model.device
         past = max(n for _, n in hits)
@@ -290,7 +283,7 @@ class HFEngine:
             input_ids=ids.to(dev),
             attention_mask=attn.to(dev),
             position_ids=positions.to(dev),
-            past_key_values=self._past_cache(hits, past) if past else None,
+            past_key_values=past_cache(hits, past, self.model.config) if past else None,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -299,10 +292,10 @@ class HFEngine:
         self.prefix_hits += sum(1 for _, n in hits if n)
         self.prefix_hit_tokens += sum(n for _, n in hits)
         self.prefill_tokens += sum(len(r.prompt) for r in reqs) - sum(n for _, n in hits)
-        fresh = _Batch(
+        fresh = KVBatch(
             rows=reqs,
             cache=cache,
-            attn=_pack(cache, attn),
+            attn=pack(cache, attn),
             pos=torch.tensor([len(r.prompt) for r in reqs], dtype=torch.long),
             next_ids=torch.zeros(len(reqs), dtype=torch.long),
         )
@@ -312,36 +305,12 @@ class HFEngine:
         self._sample_into(fresh, out.logits[:, -1, :])
         return fresh
 
-    def _past_cache(self, hits: list[tuple[PrefixEntry | None, int]], past: int) -> Any:
-        """A DynamicCache holding each row's cached prefix KV, left-padded with zeros to `past`."""
-        from transformers import DynamicCache
-
-        some = next(e for e, n in hits if e is not None and n)
-        data = []
-        for layer in range(len(some.keys)):
-            heads, _, dim = some.keys[layer].shape
-            keys = some.keys[layer].new_zeros((len(hits), heads, past, dim))
-            values = some.values[layer].new_zeros((len(hits), heads, past, dim))
-            for i, (entry, n) in enumerate(hits):
-                if entry is not None and n:
-                    keys[i, :, past - n :] = entry.keys[layer][:, :n]
-                    values[i, :, past - n :] = entry.values[layer][:, :n]
-            data.append((keys, values))
-        return DynamicCache(ddp_cache_data=data, config=self.model.config)
-
     def _remember(self, batch: _Batch, i: int, tokens: list[int], epoch: int) -> None:
         """Offer row i's KV (the last len(tokens) cache columns) to the prefix store."""
         if epoch != self._weights_epoch or not tokens:
             return
         start = batch.attn.shape[1] - len(tokens)
-        layers = list(_layers(batch.cache))
-
-        def kv(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            keys = [layer.keys[i, :, start : start + n].clone() for layer in layers]
-            values = [layer.values[i, :, start : start + n].clone() for layer in layers]
-            return keys, values
-
-        self._prefix.insert(tokens, kv, epoch=epoch)
+        self._prefix.insert(tokens, lambda n: row_kv(batch, i, start, n), epoch=epoch)
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         """One decode step for every running row."""
@@ -390,7 +359,7 @@ class HFEngine:
                 done.append((req, Completion(req.ids, req.logprobs, req.versions, reason)))
         if len(keep) == len(batch.rows):
             return batch
-        kept = _select(batch, keep) if keep else None
+        kept = select(batch, keep) if keep else None
         with self._cv:
             self._running = max(0, self._running - (len(batch.rows) - len(keep)))
         for req, completion in done:
@@ -537,86 +506,4 @@ class HFEngine:
 _MIN_SHARED_GAIN = 16  # tokens an in-admission shared prefix must add over the store to defer a request
 
 
-def _layers(cache: Any) -> Iterator[Any]:
-    yield from cache.layers
-
-
-def _plain_kv_cache(model: Any) -> bool:
-    """Whether the model's cache is full per-layer KV (prefix caching needs every column kept)."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    try:
-        layers = DynamicCache(config=model.config).layers
-    except Exception:  # an exotic config: no prefix caching rather than a broken engine
-        return False
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
-def _pack(cache: Any, attn: torch.Tensor) -> torch.Tensor:
-    """Move each row's real cache columns to the right end and zero the padding; return the new mask.
-
-    After a prefill the batch is plain left padding again (what `_merge`, `_select`
-    and `_remember` expect). Padded slots may hold garbage (even NaN): they are zeroed.
-    """
-    real = attn.bool()
-    counts = real.sum(1)
-    width = int(counts.max())
-    packed = torch.arange(width).unsqueeze(0) >= (width - counts).unsqueeze(1)
-    index = None
-    if width != attn.shape[1] or not bool((real == packed).all()):
-        index = torch.zeros(packed.shape, dtype=torch.long)
-        for i in range(attn.shape[0]):
-            cols = real[i].nonzero().squeeze(1)
-            index[i, width - cols.shape[0] :] = cols
-    for layer in _layers(cache):
-        dev = layer.keys.device
-        if index is not None:
-            at = index.to(dev)[:, None, :, None]
-            layer.keys = layer.keys.gather(2, at.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-            layer.values = layer.values.gather(2, at.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
-        pad = ~packed.to(dev)[:, None, :, None]
-        layer.keys.masked_fill_(pad, 0)
-        layer.values.masked_fill_(pad, 0)
-    return packed.long()
-
-
-def _merge(old: _Batch, new: _Batch) -> _Batch:
-    """Concatenate two batches, left-padding the shorter KV cache so lengths agree."""
-    width = max(old.attn.shape[1], new.attn.shape[1])
-
-    def pad_kv(t: torch.Tensor) -> torch.Tensor:
-        short = width - t.shape[2]
-        return torch.nn.functional.pad(t, (0, 0, short, 0)) if short else t
-
-    def pad_attn(a: torch.Tensor) -> torch.Tensor:
-        short = width - a.shape[1]
-        return torch.nn.functional.pad(a, (short, 0)) if short else a
-
-    for lo, ln in zip(_layers(old.cache), _layers(new.cache), strict=True):
-        lo.keys = torch.cat([pad_kv(lo.keys), pad_kv(ln.keys)], dim=0)
-        lo.values = torch.cat([pad_kv(lo.values), pad_kv(ln.values)], dim=0)
-    return _Batch(
-        rows=old.rows + new.rows,
-        cache=old.cache,
-        attn=torch.cat([pad_attn(old.attn), pad_attn(new.attn)], dim=0),
-        pos=torch.cat([old.pos, new.pos]),
-        next_ids=torch.cat([old.next_ids, new.next_ids]),
-    )
-
-
-def _select(batch: _Batch, keep: list[int]) -> _Batch:
-    """Keep only rows `keep`, and drop cache columns that are padding in every kept row."""
-    idx = torch.tensor(keep, dtype=torch.long)
-    attn = batch.attn[idx]
-    lead = int((attn.sum(0) > 0).long().argmax())  # first column some row uses
-    for layer in _layers(batch.cache):
-        layer.keys = layer.keys[idx.to(layer.keys.device), :, lead:]
-        layer.values = layer.values[idx.to(layer.values.device), :, lead:]
-    return _Batch(
-        rows=[batch.rows[i] for i in keep],
-        cache=batch.cache,
-        attn=attn[:, lead:],
-        pos=batch.pos[idx],
-        next_ids=batch.next_ids[idx],
-    )
+_MIN_SHARED_GAIN = 16  # tokens an in-admission shared prefix must add over the store to defer a request
