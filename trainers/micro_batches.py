@@ -19,7 +19,7 @@ import torch
 from agentrl.trainers.config import TrainerConfig
 from agentrl.trainers.distributed import World, matched
 from agentrl.trainers.packing import PackedBatch, pack, pack_all
-from agentrl.trainers.shared_prefix import Family, plan_families
+from agentrl.trainers.shared_prefix import Family, find_families, plan_families
 from agentrl.types import TrainSample
 
 Fields = Mapping[str, Sequence[torch.Tensor]]
@@ -49,6 +49,22 @@ def mini_batches(n: int, parts: int) -> list[list[int]]:
     """Contiguous, nearly equal mini-batches of sample indices (empty ones dropped)."""
     bounds = [round(k * n / parts) for k in range(parts + 1)]
     return [list(range(bounds[k], bounds[k + 1])) for k in range(parts) if bounds[k + 1] > bounds[k]]
+
+
+def mini_batch_counts(masks: Sequence[torch.Tensor], part: Sequence[int]) -> tuple[int, int, dict[int, int]]:
+    """(sequences, loss tokens, loss tokens per sample) of a mini-batch, over all ranks' samples."""
+    per = {i: int(masks[i].sum()) for i in part}
+    return len(part), sum(per.values()), per
+
+
+def shared_prefix_families(
+    groups: Sequence[Sequence[TrainSample]], masks: Sequence[torch.Tensor], min_prefix: int
+) -> list[Family]:
+    """Each group's samples that share a loss-free prompt prefix (`trainer.shared_prefix`), by flat index."""
+    starts = list(itertools.accumulate((len(g) for g in groups), initial=0))
+    members = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+    ids = [s.input_ids for g in groups for s in g]
+    return find_families(members, ids, [m.tolist() for m in masks], min_prefix=min_prefix)
 
 
 class MicroBatcher:

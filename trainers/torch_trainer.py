@@ -12,11 +12,12 @@ The RL step (`train_samples`), top to bottom:
      chunked logprobs -> off-policy weights -> PPO loss -> backward (grad
      accumulation; DDP syncs on the last micro-batch) -> clip -> optimizer step
      (and the critic's update under GAE)
-  5. LR schedule, policy_version += 1, metrics and the token stats of the replay view
+  5. metrics, LR schedule, policy_version += 1; the step returns its metrics and
+     the token stats of the replay view (`agentrl.trainer.TrainStepResult`)
 
 The models it runs (policy, reference, critic; LoRA, DDP/FSDP, sequence
 parallel) are built by `assembly.build_models`; micro-batches come from
-`micro_batches.MicroBatcher`. Weights stay fp32; forward passes run under bf16
+`micro_batches.MicroBatcher`; the optimizer and LR schedule from `optim`. Weights stay fp32; forward passes run under bf16
 autocast where the device supports it. `state_for_engines()` hands the weights
 over in named buckets.
 """
@@ -24,12 +25,9 @@ over in named buckets.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
-import random
 import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +54,18 @@ from agentrl.trainers.losses import (
     kl_estimate,
     policy_loss,
 )
-from agentrl.trainers.micro_batches import Fields, MicroBatcher, mini_batches, sample_fields
+from agentrl.trainers.micro_batches import (
+    Fields,
+    MicroBatcher,
+    mini_batch_counts,
+    mini_batches,
+    sample_fields,
+    shared_prefix_families,
+)
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
+from agentrl.trainers.optim import advance_schedule, build_optimizer, clipped_step, seed_everything
 from agentrl.trainers.packing import PackedBatch, padding_counts, padding_metrics
-from agentrl.trainers.shared_prefix import Family, find_families, layout_cost
+from agentrl.trainers.shared_prefix import layout_cost
 from agentrl.trainers.token_stats import TokenStatsRecorder
 from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 from agentrl.types import JSON, Group, TrainSample
@@ -93,17 +99,14 @@ class TorchTrainer:
         self.policy_version = 0
         self.step = 0
         self.skipped_updates = 0  # optimizer updates dropped for a non-finite gradient norm (run total)
-        _seed_everything(self.config.seed)  # before the models: LoRA and the critic head initialise randomly
+        seed_everything(self.config.seed)
         self.models: Models = build_models(self.config, self.model_path, self.device, world)
         m = self.models
         self.model, self.reference, self.critic = m.policy, m.reference, m.critic
         self.world, self.processes, self.fsdp = m.world, m.processes, m.fsdp
         self.sp_groups, self.pad_id, self.autocast_dtype = m.sp_groups, m.pad_id, m.autocast_dtype
         self.batcher = MicroBatcher(self.config, pad_id=m.pad_id, world=m.world, fsdp=m.fsdp)
-        self.optimizer = torch.optim.AdamW(
-            m.trainable(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.config))
+        self.optimizer, self.scheduler = build_optimizer(self.config, m.trainable())
 
     # ------------------------------------------------------------------ the RL step
     def train_step(self, groups: Sequence[Group]) -> TrainStepResult:
@@ -135,7 +138,9 @@ class TorchTrainer:
         ids = [s.input_ids for s in samples]
         base = sample_fields(samples)
         mine = shard(len(samples), self.world)
-        families = self._families(groups, ids, base["loss_mask"]) if cfg.shared_prefix else None
+        families = None  # with trainer.shared_prefix: each group's samples that share a prompt prefix
+        if cfg.shared_prefix:
+            families = shared_prefix_families(groups, base["loss_mask"], cfg.shared_prefix_min_tokens)
         aux_batches = self.batcher.pack(ids, base, mine, families)
 
         # 2. auxiliary passes (no grad)
@@ -168,7 +173,7 @@ class TorchTrainer:
                 batches = self.batcher.pack(ids, fields, [i for i in part if i in mine_set], families)
                 if first:
                     first_epoch_batches.extend(batches)
-                counts = _counts(fields["loss_mask"], part)
+                counts = mini_batch_counts(fields["loss_mask"], part)
                 _add(sums, self._accumulate(batches, counts, fields, stats if first else None,
                                             recorder if first else None))  # fmt: skip
                 if not apply:
@@ -178,29 +183,19 @@ class TorchTrainer:
                 if self.critic is not None:
                     _add(sums, {"critic/loss": self._critic_update(batches, fields, counts[1])})
 
-        # 5. schedule, version, metrics
-        if apply:
-            self._advance_schedule()
-            self.step += 1
-            self.policy_version += 1
+        # 5. metrics (`lr`: the rate this step used), LR schedule, version
         metrics = adv.metrics | self._metrics(sums, stats, updates, first_epoch_batches, ids)
         metrics["optim/skipped_updates"] = float(self.skipped_updates - skipped_before)
+        if apply:
+            advance_schedule(self.scheduler)
+            self.step += 1
+            self.policy_version += 1
         metrics["policy_version"] = float(self.policy_version)
         metrics["autocast_bf16"] = float(self.autocast_dtype is torch.bfloat16)
         metrics["time/train_step_s"] = time.perf_counter() - t0
         metrics["time/tokens_per_s"] = metrics["pack/tokens"] / max(metrics["time/train_step_s"], 1e-9)
         token_stats = recorder.stats(samples, fields["loss_mask"], adv.advantages) if recorder is not None else {}
         return TrainStepResult(metrics, token_stats)
-
-    # ------------------------------------------------------------------ 1. samples
-    def _families(
-        self, groups: Samples, ids: Sequence[Sequence[int]], masks: Sequence[torch.Tensor]
-    ) -> list[Family]:
-        """Each group's samples that share a loss-free prompt prefix (`trainer.shared_prefix`)."""
-        starts = list(itertools.accumulate((len(g) for g in groups), initial=0))
-        members = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
-        return find_families(members, ids, [m.tolist() for m in masks],
-                             min_prefix=self.config.shared_prefix_min_tokens)  # fmt: skip
 
     # ------------------------------------------------------------------ 2. auxiliary passes
     @torch.no_grad()
@@ -379,22 +374,11 @@ class TorchTrainer:
         }
 
     def _optimizer_step(self) -> float:
-        """Clip and apply the accumulated gradients; returns the norm before clipping.
-
-        A non-finite norm (a NaN or inf anywhere in the gradients: a NaN
-        reward, an overflow) skips the update and counts it in
-        `skipped_updates`: one AdamW step on NaN gradients would make every
-        weight NaN, and the engine would serve them. Every rank sees the same
-        (all-reduced) norm, so all skip together.
-        """
+        """`optim.clipped_step` on the policy; a skipped (non-finite) update counts in `skipped_updates`."""
         self._reduce_sp_gradients()
-        clipped = torch.nn.utils.clip_grad_norm_(self.models.trainable(), self.config.max_grad_norm or math.inf)
-        norm = float(full_tensor(clipped))  # under FSDP the norm over all shards
-        if math.isfinite(norm):
-            self.optimizer.step()
-        else:
+        norm = clipped_step(self.optimizer, self.models.trainable(), self.config.max_grad_norm)
+        if not math.isfinite(norm):
             self.skipped_updates += 1
-        self.optimizer.zero_grad(set_to_none=True)
         return norm
 
     def _critic_update(self, batches: list[PackedBatch], fields: Fields, num_tokens: int) -> float:
@@ -408,12 +392,6 @@ class TorchTrainer:
             from agentrl.trainers.sequence_parallel import reduce_gradients
 
             reduce_gradients(self.models.trainable(), self.sp_groups)
-
-    def _advance_schedule(self) -> None:
-        """One LR-schedule step per train step, applied or skipped (torch warns when no update ran yet)."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-            self.scheduler.step()
 
     # ------------------------------------------------------------------ 5. metrics
     def _metrics(
@@ -472,7 +450,7 @@ class TorchTrainer:
         lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used, as train_step reports it
         skipped_before = self.skipped_updates
         grad_norm = self._optimizer_step()
-        self._advance_schedule()
+        advance_schedule(self.scheduler)
         self.step += 1
         self.policy_version += 1
         return {
@@ -514,45 +492,12 @@ class TorchTrainer:
 
 
 # ---------------------------------------------------------------------- helpers
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:  # pragma: no cover
-        pass
-
-
-def _lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
-    warmup, total, floor = cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if cfg.schedule == "constant" or total is None:
-            return 1.0
-        progress = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
-        if cfg.schedule == "linear":
-            return floor + (1.0 - floor) * (1.0 - progress)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def _nest(flat: Sequence[torch.Tensor], nested: Samples) -> list[list[torch.Tensor]]:
     out, i = [], 0
     for g in nested:
         out.append(list(flat[i : i + len(g)]))
         i += len(g)
     return out
-
-
-def _counts(masks: Sequence[torch.Tensor], part: Sequence[int]) -> tuple[int, int, dict[int, int]]:
-    """(sequences, loss tokens, loss tokens per sample) of a mini-batch, over all ranks' samples."""
-    per = {i: int(masks[i].sum()) for i in part}
-    return len(part), sum(per.values()), per
 
 
 def _add(sums: dict[str, float], values: Mapping[str, float]) -> None:

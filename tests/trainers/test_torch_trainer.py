@@ -194,6 +194,12 @@ def test_sft_step_reports_the_rate_it_used(tiny_llama_path: str, build: Any) -> 
     assert [t.sft_step(samples)["lr"] for _ in range(3)] == pytest.approx([0.5, 1.0, 1.0])
 
 
+def test_train_step_reports_the_rate_it_used(tiny_llama_path: str, build: Any) -> None:
+    t = trainer(tiny_llama_path, lr=1e-3, warmup_steps=2)
+    rates = [t.train_step(build.groups(1, 2, seed=k)).metrics["lr"] for k in range(3)]
+    assert rates == pytest.approx([0.5e-3, 1e-3, 1e-3])
+
+
 def test_lr_schedule_warmup_then_cosine(tiny_llama_path: str) -> None:
     t = trainer(tiny_llama_path, lr=1.0, warmup_steps=2, schedule="cosine", total_steps=4, min_lr_ratio=0.1)
     lrs = []
