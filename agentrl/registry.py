@@ -23,14 +23,12 @@ code (class `description` or docstring) without importing it where possible.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
 
@@ -38,22 +36,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, mod
 
 from agentrl.env import Env, EnvConfig
 from agentrl.errors import ConfigError, PluginError, closest, config_error
+from agentrl.plugin_entry import KINDS, SINGULAR, Entry  # KINDS, SINGULAR: importable from here too
 
-KINDS: tuple[str, ...] = ("envs", "tools", "rewards", "sandboxes", "engines", "trainers", "tool_parsers")
-SINGULAR: dict[str, str] = {
-    "envs": "env",
-    "tools": "tool",
-    "rewards": "reward",
-    "sandboxes": "sandbox",
-    "engines": "engine",
-    "trainers": "trainer",
-    "tool_parsers": "tool parser",
-}
 MARKER = "__agentrl_plugin__"
 """Attribute set by the decorators: (kind, name)."""
 
 T = TypeVar("T")
-_UNLOADED: Any = object()
 
 
 # --------------------------------------------------------------------------- decorators
@@ -103,120 +91,6 @@ def reward(name: str) -> Callable[[T], T]:
         return obj
 
     return mark
-
-
-# --------------------------------------------------------------------------- entries
-
-
-def _load_target(target: str) -> Any:
-    """Import "pkg.module:attr.sub" and return the attribute."""
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise PluginError(f"plugin target {target!r} is not of the form 'module:attr'")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _first_line(text: str | None) -> str:
-    for line in (text or "").strip().splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
-def describe_object(obj: Any) -> str:
-    """One line: an explicit `description`, else the first docstring line."""
-    desc = getattr(obj, "description", None)
-    if isinstance(desc, str) and desc.strip():
-        return _first_line(desc)
-    doc = obj.__doc__ if isinstance(obj, type) or callable(obj) else None
-    if isinstance(obj, type) and doc == Env.__doc__ and obj is not Env:
-        doc = None  # inherited, says nothing about this env
-    return _first_line(doc)
-
-
-def _static_description(target: str) -> str | None:
-    """Read a class/function description from source without importing the module."""
-    module_name, _, attr = target.partition(":")
-    if "." in attr or not attr:
-        return None
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    try:
-        with open(spec.origin, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        return None
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == attr:
-            for stmt in node.body:
-                target_name = None
-                if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-                    target_name = getattr(stmt.targets[0], "id", None)
-                elif isinstance(stmt, ast.AnnAssign):
-                    target_name = getattr(stmt.target, "id", None)
-                value = getattr(stmt, "value", None)
-                if (
-                    target_name == "description"
-                    and isinstance(value, ast.Constant)
-                    and isinstance(value.value, str)
-                    and value.value.strip()
-                ):
-                    return _first_line(value.value)
-            return _first_line(ast.get_docstring(node))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == attr:
-            for deco in node.decorator_list:
-                for kw in getattr(deco, "keywords", []):
-                    if kw.arg == "description" and isinstance(kw.value, ast.Constant):
-                        return _first_line(str(kw.value.value))
-            return _first_line(ast.get_docstring(node))
-    return None
-
-
-@dataclass(slots=True)
-class Entry:
-    """One registered plugin: where it comes from and (once loaded) the object."""
-
-    kind: str
-    name: str
-    source: str
-    target: str | None = None
-    obj: Any = field(default=_UNLOADED, repr=False)
-
-    @property
-    def loaded(self) -> bool:
-        return self.obj is not _UNLOADED
-
-    def load(self) -> Any:
-        if self.obj is _UNLOADED:
-            assert self.target is not None
-            try:
-                self.obj = _load_target(self.target)
-            except PluginError:
-                raise
-            except Exception as e:
-                raise PluginError(
-                    f"{SINGULAR[self.kind]} {self.name!r} ({self.source}) failed to load "
-                    f"{self.target!r}: {type(e).__name__}: {e}"
-                ) from e
-        return self.obj
-
-    def description(self) -> str:
-        if not self.loaded and self.target is not None:
-            static = _static_description(self.target)
-            if static is not None:
-                return static
-            try:
-                self.load()
-            except PluginError as e:
-                return f"(cannot load: {e})"
-        return describe_object(self.obj)
 
 
 # --------------------------------------------------------------------------- registries

@@ -26,6 +26,7 @@ CORE = [
     "agentrl.gym_export",
     "agentrl.tokenizers",
     "agentrl.resources",
+    "agentrl.plugin_entry",
     "agentrl.cli",
     "agentrl.trainers.config",
 ]
