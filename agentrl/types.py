@@ -281,12 +281,12 @@ class Trajectory:
         return compress(self.versions, self.loss_mask)
 
     def tokens(self) -> TrainSample:
-        """The trainer's view of this trajectory."""
+        """The trainer's view of this trajectory: it shares the per-token lists (no copy; readers never write)."""
         return TrainSample(
-            input_ids=list(self.token_ids),
-            loss_mask=list(self.loss_mask),
-            behaviour_logprobs=list(self.logprobs),
-            versions=list(self.versions),
+            input_ids=self.token_ids,
+            loss_mask=self.loss_mask,
+            behaviour_logprobs=self.logprobs,
+            versions=self.versions,
             reward=self.reward,
             turn_spans=[(t.start, t.end) for t in self.turns],
             turn_rewards=[t.reward for t in self.turns],
