@@ -43,7 +43,7 @@ class Headline:
 HEADLINES = (
     Headline("reward", "reward: training vs held-out",
              (Series("training", ("reward/mean",)), Series("held-out", ("eval/reward_mean",)))),
-    Headline("success", "success rate (reward ≥ 1): training vs held-out pass@1",
+    Headline("success", "success rate: training vs held-out pass@1",
              (Series("training", ("step:success_rate",)), Series("held-out", ("eval/pass@1",)))),
     Headline("mismatch", "engine vs trainer mismatch KL",
              (Series("all tokens", ("off_policy/mismatch_kl",)),
@@ -123,7 +123,7 @@ def _series_table(
         sampled, trajectories = values.get("batch/sampled_tokens"), values.get("batch/trajectories")
         if sampled is not None and trajectories:
             table.setdefault("step:sampled_per_trajectory", []).append([step, sampled / trajectories])
-    if "reward/mean" not in table:  # runs that log no metrics: the stored trajectories' mean
+    if "reward/mean" not in table and steps:  # runs that log no metrics: the stored trajectories' mean
         table["reward/mean"] = [[s["step"], s["reward_mean"]] for s in steps]
     for s in steps:
         table.setdefault("step:success_rate", []).append([s["step"], s["success_rate"]])

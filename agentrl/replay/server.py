@@ -35,7 +35,7 @@ from agentrl.replay.overview import overview_layout
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.reexec import default_env_factory, recheck
 from agentrl.replay.tokens import TokenDecoder, json_safe, token_view
-from agentrl.store_summary import final_answer, prompt_layout
+from agentrl.store_summary import final_answer, prompt_layout, question
 
 STATIC_FILES = {  # URL path -> (package file, content type)
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -49,6 +49,9 @@ CSP = (
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+TOKENIZER_LOAD_TIMEOUT_S = 180.0
+"""How long a trajectory request waits for the run's tokenizer (importing transformers and loading it
+can take a minute on a busy CPU); loading starts with the server."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -94,7 +97,7 @@ class ReplayApp:
         self.queries = TrajectoryQueries.open(settings.store_path)
         self.store = self.queries.store
         self._make_env = make_env
-        self._decoder: TokenDecoder | None = None
+        self._decoder: asyncio.Future[TokenDecoder] | None = None
         self._check_lock = asyncio.Lock()
         package = importlib.resources.files("agentrl.replay") / "static"
         self._static = {
@@ -112,8 +115,12 @@ class ReplayApp:
         app.router.add_get("/api/trajectories/{id}", self._trajectory)
         app.router.add_get("/api/groups/{id}", self._group)
         app.router.add_post("/api/trajectories/{id}/check", self._check)
+        app.on_startup.append(self._start_loading_tokenizer)
         app.on_cleanup.append(self._close)
         return app
+
+    async def _start_loading_tokenizer(self, _app: web.Application) -> None:
+        self._token_decoder()
 
     async def _close(self, _app: web.Application) -> None:
         self.queries.close()
@@ -228,6 +235,12 @@ class ReplayApp:
     async def _trajectory(self, request: web.Request) -> web.Response:
         tid = request.match_info["id"]
 
+        try:
+            async with asyncio.timeout(TOKENIZER_LOAD_TIMEOUT_S):
+                decoder = await asyncio.shield(self._token_decoder())
+        except TimeoutError:
+            return _error(503, "the run's tokenizer is still loading: try again in a moment")
+
         def read() -> dict[str, Any]:
             record = self.store.get_record(tid)
             t = record.trajectory
@@ -241,7 +254,7 @@ class ReplayApp:
                 "seq": record.seq,
                 "created_at": record.created_at,
                 "layout": prompt_layout(t).to_dict(),
-                "tokens": token_view(t, self._token_decoder()),
+                "tokens": token_view(t, decoder),
             }
 
         try:
@@ -249,9 +262,14 @@ class ReplayApp:
         except KeyError:
             return _error(404, "no such trajectory")
 
-    def _token_decoder(self) -> TokenDecoder:
+    def _token_decoder(self) -> asyncio.Future[TokenDecoder]:
+        """The run's token decoder, loaded once in a thread (started when the server starts)."""
         if self._decoder is None:
-            self._decoder = TokenDecoder.for_run(self.store.run_config(), self.settings.tokenizer)
+
+            def load() -> TokenDecoder:
+                return TokenDecoder.for_run(self.store.run_config(), self.settings.tokenizer)
+
+            self._decoder = asyncio.ensure_future(asyncio.to_thread(load))
         return self._decoder
 
     async def _group(self, request: web.Request) -> web.Response:
@@ -262,15 +280,17 @@ class ReplayApp:
             if not members:
                 return None
             out = []
+            asked = ""
             for m in members:
                 t = self.store.get_trajectory(str(m["id"]))
                 final = final_answer(t)
+                asked = asked or question(t)
                 stats = t.info.get("token_stats") if isinstance(t.info.get("token_stats"), dict) else {}
                 adv = t.info.get("advantage")
                 if adv is None and isinstance(stats, dict) and isinstance(stats.get("advantages"), list):
                     adv = next((a for a, k in zip(stats["advantages"], t.loss_mask, strict=False) if k), None)
                 out.append({**m, "final": final, "reward_breakdown": t.reward_breakdown, "advantage": adv})
-            return {"group": self.queries.group(gid), "members": out}
+            return {"group": self.queries.group(gid), "question": asked, "members": out}
 
         data = await self._db(read)
         return _error(404, "no such group") if data is None else _json(data)

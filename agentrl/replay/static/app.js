@@ -57,6 +57,14 @@ function fmt(x, digits) {
   return String(x);
 }
 
+// an axis label: 3 significant digits, exponent notation for tiny or huge values (KL can be 1e-12)
+function fmtAxis(y) {
+  if (y === 0) return "0";
+  const a = Math.abs(y);
+  if (a < 1e-3 || a >= 1e5) return y.toExponential(1);
+  return String(Number(y.toPrecision(3)));
+}
+
 function setMain(...children) {
   const app = document.getElementById("app");
   app.replaceChildren(...children);
@@ -113,37 +121,44 @@ async function showOverview() {
   const data = await api("/api/metrics");
   const run = state.run || {};
   const steps = data.steps || [];
+  const layout = data.layout || { headline: [], groups: [], constants: [] };
   const stats = h("div", { class: "stats" },
     h("div", {}, h("b", { text: fmt(run.count) }), "trajectories"),
     h("div", {}, h("b", { text: steps.length ? fmt(steps[steps.length - 1].step) : "n/a" }), "latest step"),
     h("div", {}, h("b", { text: fmt(data.metrics.length) }), "steps with metrics"));
-  const charts = h("div", { class: "charts", id: "charts" });
-  if (steps.length) {
-    charts.appendChild(chart("reward (mean, min–max band)", steps.map(s => [s.step, s.reward_mean]),
-      steps.map(s => [s.step, s.reward_min, s.reward_max])));
-    charts.appendChild(chart("trajectory length (mean tokens)", steps.map(s => [s.step, s.length_mean])));
-    charts.appendChild(chart("errors + truncations per step", steps.map(s => [s.step, s.errors + s.truncated])));
-  }
-  const keys = new Set();
-  for (const m of data.metrics) for (const k of Object.keys(m.values)) keys.add(k);
-  for (const k of [...keys].sort()) {
-    charts.appendChild(chart(k, data.metrics.filter(m => m.values[k] !== null && m.values[k] !== undefined)
-      .map(m => [m.step, m.values[k]])));
-  }
+  // the curves a user opens the page for, in a fixed order; then the rest by prefix; constants on one line
+  const charts = h("div", { class: "charts", id: "charts" }, layout.headline.map(c => chart(c)));
+  const groups = layout.groups.map(g => h("section", { class: "metric-group", dataset: { prefix: g.prefix } },
+    h("h3", { class: "group-title", text: `${g.prefix}/` }),
+    h("div", { class: "charts" }, g.charts.map(c => chart(c)))));
+  const constants = layout.constants.length
+    ? h("div", { class: "panel constants", id: "constants" }, h("b", { text: "constant: " }),
+      layout.constants.map(([k, v]) => h("span", { class: "const", dataset: { key: k } }, h("code", { text: k }), `=${fmt(v, 4)}`)))
+    : null;
   const cfg = run.config ? h("details", { class: "panel" }, h("summary", { text: "run config" }),
     h("pre", { class: "code", text: JSON.stringify(run.config, null, 2) })) : null;
   setMain(h("h2", { text: "Run overview" }), h("div", { class: "panel" }, stats),
-    charts.childElementCount ? charts : h("p", { class: "muted", text: "No steps recorded yet." }), cfg);
+    charts.childElementCount ? charts : h("p", { class: "muted", text: "No steps recorded yet." }),
+    ...groups, constants, cfg);
 }
 
-function chart(title, points, band) {
+// One chart: { id, title, series: [{label, key, points: [[step, value], ...]}], band?: [[step, lo, hi]] },
+// every series on the same axes, one colour each (classes s0, s1, ...), with a legend.
+function chart(spec) {
   const W = 340, H = 150, L = 44, R = 8, T = 8, B = 20;
-  const pts = points.filter(p => p[1] !== null && p[1] !== undefined && isFinite(p[1]));
-  const box = h("div", { class: "panel chart", dataset: { metric: title } }, h("h3", { text: title }));
-  if (!pts.length) { box.appendChild(h("p", { class: "muted", text: "no finite values" })); return box; }
-  let ys = pts.map(p => p[1]);
-  if (band) for (const b of band) { if (b[1] !== null) ys.push(b[1]); if (b[2] !== null) ys.push(b[2]); }
-  const xs = pts.map(p => p[0]);
+  const box = h("div", { class: "panel chart", dataset: { metric: spec.id } }, h("h3", { text: spec.title }));
+  const finite = p => p[1] !== null && p[1] !== undefined && isFinite(p[1]);
+  const series = spec.series.map(s => Object.assign({}, s, { pts: s.points.filter(finite) }));
+  const all = series.flatMap(s => s.pts);
+  if (series.length > 1) {
+    box.appendChild(h("div", { class: "series-legend" }, series.map((s, i) =>
+      h("span", { class: `series s${i}`, dataset: { key: s.key }, title: s.key }, h("span", { class: "swatch" }), s.label))));
+  }
+  if (!all.length) { box.appendChild(h("p", { class: "muted", text: "no finite values" })); return box; }
+  const band = spec.band || [];
+  let ys = all.map(p => p[1]);
+  for (const b of band) { if (b[1] !== null) ys.push(b[1]); if (b[2] !== null) ys.push(b[2]); }
+  const xs = all.map(p => p[0]);
   let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
   let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
   if (x0 === x1) { x0 -= 1; x1 += 1; }
@@ -153,24 +168,29 @@ function chart(title, points, band) {
   const g = svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img" });
   for (const y of [y0, (y0 + y1) / 2, y1]) {
     g.appendChild(svg("line", { class: "grid", x1: L, x2: W - R, y1: sy(y), y2: sy(y) }));
-    g.appendChild(svg("text", { x: 2, y: sy(y) + 3 }, fmt(y, 3)));
+    g.appendChild(svg("text", { x: 2, y: sy(y) + 3 }, fmtAxis(y)));
   }
   g.appendChild(svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
   g.appendChild(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
   g.appendChild(svg("text", { x: L, y: H - 5 }, `step ${fmt(x0)}`));
   g.appendChild(svg("text", { x: W - R - 60, y: H - 5 }, `step ${fmt(x1)}`));
-  if (band && band.length > 1) {
-    const ok = band.filter(b => b[1] !== null && b[2] !== null);
+  const ok = band.filter(b => b[1] !== null && b[2] !== null);
+  if (ok.length > 1) {
     const d = ok.map((b, i) => `${i ? "L" : "M"}${sx(b[0])},${sy(b[2])}`).join(" ") + " " +
       ok.slice().reverse().map(b => `L${sx(b[0])},${sy(b[1])}`).join(" ") + " Z";
     g.appendChild(svg("path", { class: "band", d }));
   }
-  g.appendChild(svg("path", { class: "line", d: pts.map((p, i) => `${i ? "L" : "M"}${sx(p[0])},${sy(p[1])}`).join(" ") }));
-  if (pts.length <= 60) {
-    for (const p of pts) {
-      g.appendChild(svg("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.2 }, svg("title", {}, `step ${p[0]}: ${fmt(p[1], 4)}`)));
+  series.forEach((s, i) => {
+    if (!s.pts.length) return;
+    g.appendChild(svg("path", { class: `line s${i}`, "data-key": s.key,
+      d: s.pts.map((p, k) => `${k ? "L" : "M"}${sx(p[0])},${sy(p[1])}`).join(" ") }));
+    if (s.pts.length <= 60) {
+      for (const p of s.pts) {
+        g.appendChild(svg("circle", { class: `s${i}`, cx: sx(p[0]), cy: sy(p[1]), r: 2.2 },
+          svg("title", {}, `${s.label} · step ${p[0]}: ${fmt(p[1], 4)}`)));
+      }
     }
-  }
+  });
   box.appendChild(g);
   return box;
 }
@@ -215,13 +235,14 @@ async function showList(params) {
   const rows = page.items.map(r => h("tr", { class: "row", dataset: { id: r.id }, onclick: () => { location.hash = `#/t/${encodeURIComponent(r.id)}`; } },
     h("td", { class: "num", text: r.seq }), h("td", { class: "num", text: fmt(r.step) }), h("td", { text: r.env }),
     h("td", { text: r.status }), h("td", { class: "num reward", text: fmt(r.reward) }),
-    h("td", { class: "num", text: r.num_tokens }), h("td", { class: "num", text: r.num_turns }),
+    h("td", { class: "num", text: r.num_tokens }), h("td", { class: "num turns", text: r.num_turns }),
+    h("td", { class: "num calls", text: r.num_tool_calls }),
     h("td", { text: (r.tools || []).join(", ") }),
     h("td", {}, r.error_class ? h("span", { class: "badge bad", text: r.error_class }) : null,
       r.truncated ? h("span", { class: "badge warn", text: "truncated" }) : null),
     h("td", { class: "preview", text: r.preview, title: r.preview })));
   const table = h("table", { id: "traj-table" },
-    h("thead", {}, h("tr", {}, ["#", "step", "env", "status", "reward", "tokens", "turns", "tools", "flags", "preview"].map(t => h("th", { text: t })))),
+    h("thead", {}, h("tr", {}, ["#", "step", "env", "status", "reward", "tokens", "turns", "calls", "tools", "flags", "task ⟶ final answer"].map(t => h("th", { text: t })))),
     h("tbody", {}, rows));
   const pageParams = next => { const p = new URLSearchParams(query); if (next) p.set("cursor", next); return `#/list?${p}`; };
   const back = params.get("back");
@@ -267,7 +288,7 @@ async function showTrajectory(id, params) {
   let body;
   if (tab === "tokens") body = tokenView(data);
   else if (tab === "group") body = h("div", { id: "group-view" }, h("p", { class: "muted", text: "loading group…" }));
-  else body = conversationView(t);
+  else body = conversationView(t, data.layout);
   setMain(header, tabs, body);
   if (tab === "group") await fillGroup(document.getElementById("group-view"), t.group_id, t.id);
 }
@@ -276,17 +297,26 @@ function kv(k, v) { return h("div", {}, h("span", { text: k }), v === null || v 
 
 // conversation ------------------------------------------------------
 
-function conversationView(t) {
+// The prompt (system prompt, few-shot demonstrations, the task) is shown as the prompt: demonstrations
+// grouped in one collapsed block, nothing in it numbered as a turn. Turn numbers and playback count the
+// episode's own model turns (t.turns), from 0, like the token view and the error's turn.
+function conversationView(t, layout) {
+  const L = layout || { system_end: 0, task_start: 0, prompt_end: 0 };
   const turns = t.turns || [];
   const wrap = h("div", { id: "conversation" });
   let turn = -1;
   let pending = null;  // a turn's sandbox output, shown after that turn's tool messages
+  let demos = null;
   const flush = () => { if (pending) { wrap.appendChild(pending); pending = null; } };
-  for (const m of t.messages) {
-    if (m.role === "assistant") { flush(); turn += 1; }
-    const card = h("div", { class: `msg ${m.role}`, dataset: { turn: String(turn), role: m.role } },
+  t.messages.forEach((m, i) => {
+    const inPrompt = i < L.prompt_end;
+    const part = !inPrompt ? null : i < L.system_end ? "system prompt" : i < L.task_start ? "demonstration" : "task";
+    if (!inPrompt && m.role === "assistant") { flush(); turn += 1; }  // prompt messages are never turns
+    const card = h("div", { class: `msg ${m.role}${part ? " prompt" : ""}`, dataset: { turn: String(inPrompt ? -1 : turn), role: m.role, part: part || "episode" } },
       h("div", { class: "role" }, m.role, m.name ? ` · ${m.name}` : "", m.tool_call_id ? ` · answers ${m.tool_call_id}` : "",
-        m.role === "assistant" && turns[turn] ? h("span", { class: "badge", text: `turn ${turn} · reward ${fmt(turns[turn].reward)}` }) : null),
+        part ? h("span", { class: "badge prompt-badge", text: `prompt · ${part}` }) : null,
+        !inPrompt && m.role === "assistant"
+          ? h("span", { class: "badge turn-badge", text: turns[turn] ? `turn ${turn} · reward ${fmt(turns[turn].reward)}` : `turn ${turn}` }) : null),
       h("pre", { class: "content", text: m.content }));
     for (const c of m.tool_calls || []) {
       card.appendChild(h("div", { class: "toolcall" }, h("span", { class: "name", text: c.name }), " ",
@@ -294,8 +324,19 @@ function conversationView(t) {
         h("pre", { class: "code", text: JSON.stringify(c.arguments, null, 2) }),
         c.error ? h("div", { class: "error-box", text: `parse error: ${c.error}` }) : null));
     }
+    if (part === "demonstration") {
+      if (!demos) {
+        const n = L.task_start - L.system_end;
+        const examples = t.messages.slice(L.system_end, L.task_start).filter(x => x.role === "user").length;
+        demos = h("details", { class: "demos", id: "demonstrations", dataset: { turn: "-1" } },
+          h("summary", { text: `few-shot demonstrations: ${examples} worked example${examples === 1 ? "" : "s"} (${n} messages) in the prompt, not sampled in this episode` }));
+        wrap.appendChild(demos);
+      }
+      demos.appendChild(card);
+      return;
+    }
     wrap.appendChild(card);
-    if (m.role === "assistant" && turns[turn]) {
+    if (!inPrompt && m.role === "assistant" && turns[turn]) {
       const info = turns[turn].info || {};
       const sandbox = findSandbox(info);
       if (sandbox) {
@@ -308,7 +349,7 @@ function conversationView(t) {
         card.appendChild(h("details", {}, h("summary", { class: "muted", text: "turn info" }), h("pre", { class: "code", text: JSON.stringify(info, null, 2) })));
       }
     }
-  }
+  });
   flush();
   const nTurns = Math.max(turn + 1, 0);
   const label = h("span", { id: "play-label" });
@@ -345,7 +386,7 @@ function setPlay(wrap, label, k, n) {
     el.classList.toggle("future", k < n && turn >= k);
     el.classList.toggle("current", k < n && turn === k - 1);
   }
-  label.textContent = k >= n ? `all ${n} turns` : `turn ${k} of ${n}`;
+  label.textContent = k >= n ? `all ${n} turn${n === 1 ? "" : "s"}` : `turn ${k} of ${n}`;
 }
 
 function autoPlay(wrap, label, n) {
@@ -552,6 +593,7 @@ async function fillGroup(box, groupId, currentId) {
   box.replaceChildren(
     h("div", { class: "panel" }, h("div", { class: "meta-grid" }, kv("task", g.task_id), kv("step", fmt(g.step)), kv("status", g.status),
       kv("size", fmt(data.members.length)), kv("reward mean", fmt(mean)), kv("reward std", fmt(std))),
+      data.question ? h("pre", { class: "content question", id: "group-question", text: data.question }) : null,
       data.members.some(m => m.advantage === null || m.advantage === undefined)
         ? h("p", { class: "muted", text: "* advantage not stored by the trainer: shown as the GRPO estimate (r − mean) / std." }) : null),
     h("div", { class: "siblings", id: "siblings" }, cards));

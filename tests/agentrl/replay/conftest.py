@@ -8,23 +8,41 @@
 - "mul-ok" / "mul-bad": episodes of the `mul_env` plugin (tests/agentrl/replay/
   mul_env_plugin.py) recorded by actually stepping the env; "mul-bad" has a tool
   output and reward tampered with, so re-execution must flag it.
+
+`calculator_run` is a real run: a few steps of the README's main job (SmolLM2-135M
+on examples/calculator.yaml), trained once per session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agentrl.chat import SimpleChatTokenizer
+from agentrl.replay.server import serve, settings_for_bind
 from agentrl.replay.synthetic import fill_store
 from agentrl.store import TrajectoryStore
 from agentrl.types import EpisodeError, ErrorClass, Group, Message, ToolCall, Trajectory
 
 HERE = Path(__file__).parent
+REPO = HERE.parents[2]
+CALCULATOR_CI = (
+    "run.steps=2", "run.eval_every=2", "run.eval_tasks=4", "run.save_every=2", "run.loggers=[jsonl]",
+    "rollout.group_size=4", "rollout.groups_per_step=2",
+)  # fmt: skip
+"""The CI variant of the README's main job: the example as it is (SmolLM2-135M, two few-shot
+demonstrations in every prompt, the calculator tool), with fewer and smaller steps."""
 sys.path.insert(0, str(HERE))
 from mul_env_plugin import record_mul_episode, tokenise  # noqa: E402
 
@@ -100,3 +118,86 @@ def replay_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mul_plugin_dir() -> Path:
     """A directory holding the `mul_env_plugin` module (put it on sys.path / cwd to use it)."""
     return HERE
+
+
+@pytest.fixture(scope="session")
+def calculator_run(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> Path:
+    """A real run directory, made once per session: `agentrl train examples/calculator.yaml` + `CALCULATOR_CI`."""
+    out = tmp_path_factory.mktemp("calculator-run")
+    cmd = [
+        sys.executable, "-m", "agentrl.cli", "train", str(REPO / "examples" / "calculator.yaml"),
+        f"model.path={smollm2_path}", f"run.output_dir={out}", "run.name=calculator", *CALCULATOR_CI,
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=out, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "calculator"
+
+
+# --------------------------------------------------------------------------- browser
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def running_server(store: Path) -> Iterator[str]:
+    """The real server (as `agentrl replay` runs it) in a thread; yields its URL."""
+    settings = settings_for_bind(store, "127.0.0.1", 0)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    ready = threading.Event()
+    urls: list[str] = []
+
+    def on_ready(url: str) -> None:
+        urls.append(url)
+        ready.set()
+
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(serve(settings, "127.0.0.1", 0, on_ready=on_ready, stop=stop)),
+        daemon=True,
+    )
+    thread.start()
+    try:
+        assert ready.wait(30), "server did not start"
+        yield urls[0].rstrip("/")
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def serve_store() -> Callable[[Path], AbstractContextManager[str]]:
+    """`with serve_store(path) as url:` the replay server over a store, in a thread."""
+    return running_server
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is not installed: run .ci/setup_browser.sh")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 820})
+    pg = context.new_page()
+    pg.dialogs = []  # type: ignore[attr-defined]
+    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))  # type: ignore[attr-defined]
+    pg.console_errors = []  # type: ignore[attr-defined]
+    pg.on("console", lambda m: pg.console_errors.append(m.text) if m.type == "error" else None)  # type: ignore[attr-defined]
+    pg.on("pageerror", lambda e: pg.console_errors.append(str(e)))  # type: ignore[attr-defined]
+    yield pg
+    context.close()

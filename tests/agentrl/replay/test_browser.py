@@ -1,17 +1,13 @@
 """The replay single-page app in a real browser (Debian Chromium driven by Playwright).
 
 Needs `.ci/setup_browser.sh` (apt chromium). Screenshots go to the test's tmp
-dir; with AGENTRL_UPDATE_SCREENSHOTS=1 they are also copied to docs/.
+dir (the docs' screenshots come from a real run: scripts/replay_screenshots.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import random
-import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +16,6 @@ import pytest
 
 from agentrl.chat import SimpleChatTokenizer
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
-from agentrl.replay.server import serve, settings_for_bind
 from agentrl.replay.synthetic import fill_store, synthetic_group
 from agentrl.store import STORE_FILENAME, TrajectoryStore
 
@@ -28,72 +23,16 @@ expect: Any = pytest.importorskip("playwright.sync_api").expect
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
-DOCS = Path(__file__).resolve().parents[3] / "docs"
-
-
-@contextlib.contextmanager
-def running_server(store: Path) -> Iterator[str]:
-    """The real server (as `agentrl replay` runs it) in a thread; yields its URL."""
-    settings = settings_for_bind(store, "127.0.0.1", 0)
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    ready = threading.Event()
-    urls: list[str] = []
-
-    def on_ready(url: str) -> None:
-        urls.append(url)
-        ready.set()
-
-    thread = threading.Thread(
-        target=lambda: loop.run_until_complete(serve(settings, "127.0.0.1", 0, on_ready=on_ready, stop=stop)),
-        daemon=True,
-    )
-    thread.start()
-    try:
-        assert ready.wait(30), "server did not start"
-        yield urls[0].rstrip("/")
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-
 
 @pytest.fixture(scope="module")
-def server(replay_run: Path, mul_plugin_dir: Path) -> Iterator[str]:
+def server(replay_run: Path, mul_plugin_dir: Path, serve_store: Any) -> Iterator[str]:
     cwd = os.getcwd()
     os.chdir(mul_plugin_dir)  # re-execution imports the run's plugin module from the cwd
     try:
-        with running_server(replay_run / STORE_FILENAME) as url:
+        with serve_store(replay_run / STORE_FILENAME) as url:
             yield url
     finally:
         os.chdir(cwd)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Chromium is not installed: run .ci/setup_browser.sh")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 820})
-    pg = context.new_page()
-    pg.dialogs = []  # type: ignore[attr-defined]
-    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))  # type: ignore[attr-defined]
-    pg.console_errors = []  # type: ignore[attr-defined]
-    pg.on("console", lambda m: pg.console_errors.append(m.text) if m.type == "error" else None)  # type: ignore[attr-defined]
-    pg.on("pageerror", lambda e: pg.console_errors.append(str(e)))  # type: ignore[attr-defined]
-    yield pg
-    context.close()
 
 
 def shot(page: Any, tmp_path: Path, name: str) -> None:
@@ -101,9 +40,6 @@ def shot(page: Any, tmp_path: Path, name: str) -> None:
     page.screenshot(path=str(path))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    if os.environ.get("AGENTRL_UPDATE_SCREENSHOTS") == "1":
-        DOCS.mkdir(exist_ok=True)
-        shutil.copy(path, DOCS / path.name)
 
 
 def test_overview_list_filter_and_open(server: str, page: Any, replay_run: Path, tmp_path: Path) -> None:
@@ -111,7 +47,7 @@ def test_overview_list_filter_and_open(server: str, page: Any, replay_run: Path,
     page.wait_for_selector("#charts .chart svg path.line")
     assert page.locator("#run-name").text_content() == "replay-test"
     titles = page.locator(".chart h3").all_text_contents()
-    assert "reward (mean, min–max band)" in titles and "loss/policy" in titles
+    assert titles[0] == "reward: training vs held-out" and "loss/policy" in titles
     shot(page, tmp_path, "overview")
 
     page.click("#nav-list")
@@ -270,7 +206,7 @@ def test_hostile_model_text_renders_inert(server: str, page: Any) -> None:
     assert not page.console_errors, page.console_errors
 
 
-def test_live_while_training_writes(page: Any, tmp_path: Path) -> None:
+def test_live_while_training_writes(page: Any, tmp_path: Path, serve_store: Any) -> None:
     writer = TrajectoryStore(tmp_path / "run", commit_every=1000, commit_interval_s=3600)
     fill_store(writer, steps=2, groups_per_step=2, group_size=2, seed=5)
     rng, tok = random.Random(9), SimpleChatTokenizer()
@@ -283,7 +219,7 @@ def test_live_while_training_writes(page: Any, tmp_path: Path) -> None:
         writer.commit()
 
     try:
-        with running_server(writer.path) as url:
+        with serve_store(writer.path) as url:
             page.goto(url + "/")
             expect(page.locator("#live-count")).to_have_text("8 trajectories")
             page.wait_for_selector("#charts .chart svg")
