@@ -87,3 +87,24 @@ def test_check_from_the_terminal(
     assert "does NOT reproduce" in bad.output and "'41'" in bad.output and "'42'" in bad.output
     noid = CliRunner().invoke(app, ["replay", str(replay_run), "--check"])
     assert noid.exit_code == 2 and "--id" in noid.output
+
+
+def test_show_upgrades_an_older_store_and_prints_the_prompt_as_the_prompt(
+    app: typer.Typer, tmp_path: Path
+) -> None:
+    store = tmp_path / "trajectories.sqlite"
+    store.write_bytes((Path(__file__).parents[1] / "data" / "store_v1.sqlite").read_bytes())  # schema 1
+    listed = CliRunner().invoke(app, ["show", str(tmp_path), "--list", "20"], env={"COLUMNS": "250"})
+    assert listed.exit_code == 0, listed.output
+    assert "upgraded" in listed.output and "from store schema 1" in listed.output
+    rows = [line for line in listed.output.splitlines() if "calculator" in line and "│" in line]
+    assert len(rows) == 10
+    assert all(line.split("│")[7].strip() == "2" and line.split("│")[8].strip() == "1" for line in rows), rows
+    assert not any("Eli has 76" in line for line in rows)  # the first demonstration is no preview
+
+    one = CliRunner().invoke(app, ["show", str(tmp_path), "--no-tokens"], env={"COLUMNS": "200"})
+    assert one.exit_code == 0, one.output
+    assert "prompt: 8 few-shot demonstration messages" in one.output and "Eli has 76" not in one.output
+    assert "prompt (task)" in one.output and "turn 0" in one.output and "turn 1" in one.output
+    full = CliRunner().invoke(app, ["show", str(tmp_path), "--no-tokens", "--demos"], env={"COLUMNS": "200"})
+    assert "Eli has 76" in full.output and "prompt (demonstration)" in full.output
