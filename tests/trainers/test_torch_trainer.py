@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from agentrl.trainer import Trainer
 from agentrl.trainers.config import TrainerConfig
 from agentrl.trainers.torch_trainer import TorchTrainer
 from agentrl.types import Group
@@ -25,6 +26,7 @@ def grads(t: TorchTrainer) -> dict[str, torch.Tensor]:
 
 def test_train_step_updates_weights_and_reports_metrics(tiny_llama_path: str, build: Any) -> None:
     t = trainer(tiny_llama_path, micro_batch_tokens=64)
+    assert isinstance(t, Trainer)  # the contract agentrl train drives (mypy checks the signatures)
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     m = t.train_step(build.groups(3, 4, seed=0)).metrics
     assert t.policy_version == 1 and m["policy_version"] == 1.0
@@ -241,6 +243,7 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tiny_llama_path: str) -> N
 def test_a_nonfinite_gradient_skips_the_update_and_leaves_the_weights(tiny_llama_path: str, build: Any) -> None:
     """A NaN reward (from a store, a plugin trainer's input, ...) makes every gradient NaN: no update is applied."""
     t = trainer(tiny_llama_path, micro_batch_tokens=64)
+    assert isinstance(t, Trainer)  # the contract agentrl train drives (mypy checks the signatures)
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     poisoned = build.groups(2, 3, seed=0)
     poisoned[0].trajectories[1].reward = float("nan")
