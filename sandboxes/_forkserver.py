@@ -135,23 +135,24 @@ def _read_inside(root: str, name: str, cap: int) -> bytes | None:
 _ARCHES: dict[str, tuple[int, dict[str, int]]] = {
     "x86_64": (0xC000003E, {
         "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "pidfd_getfd": 438,
-        "process_madvise": 440, "add_key": 248, "request_key": 249, "keyctl": 250,
+        "process_madvise": 440, "pidfd_send_signal": 424, "add_key": 248, "request_key": 249, "keyctl": 250,
         "kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
         "pidfd_open": 434, "prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144,
         "sched_setparam": 142, "sched_setattr": 314, "setpriority": 141, "ioprio_set": 251,
     }),
     "aarch64": (0xC00000B7, {
         "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "pidfd_getfd": 438,
-        "process_madvise": 440, "add_key": 217, "request_key": 218, "keyctl": 219,
+        "process_madvise": 440, "pidfd_send_signal": 424, "add_key": 217, "request_key": 218, "keyctl": 219,
         "kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
         "pidfd_open": 434, "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
         "sched_setparam": 118, "sched_setattr": 274, "setpriority": 140, "ioprio_set": 30,
     }),
 }
-#: refused whatever the arguments: reading/writing/comparing another process, and keyrings
-#: (a key added to the session or user keyring outlives the request in a warm worker)
+#: refused whatever the arguments: reading/writing/comparing another process, signals through a pidfd
+#: (an open /proc/<pid> directory is one, so the pid cannot be checked), and keyrings (a key added to the
+#: session or user keyring outlives the request in a warm worker)
 _DENY_ALWAYS = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "process_madvise",
-                "add_key", "request_key", "keyctl")
+                "pidfd_send_signal", "add_key", "request_key", "keyctl")
 #: refused when the target (first argument) is a protected pid
 _DENY_FOR_PID = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open", "prlimit64",
                  "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
@@ -220,7 +221,7 @@ def seccomp_filter(protected: list[int], groups: list[int], machine: str) -> byt
 class Guard:
     """Keeps the server out of its children's reach and notices if anything reached it anyway.
 
-    Three layers (docs/sandboxes.md, "The fork server is out of reach"):
+    Three layers (docs/sandboxes.md, "Warm workers: one request cannot reach the next"):
     1. the server is not dumpable (``PR_SET_DUMPABLE 0``): ptrace and /proc/<pid>/{mem,environ,fd,
        maps,root,...} need CAP_SYS_PTRACE, which no child has; its /proc files belong to root;
     2. each child runs under :func:`seccomp_filter` (with ``no_new_privs``), which refuses ptrace-like
@@ -243,6 +244,7 @@ class Guard:
 
         self._fprog = SockFprog(len(code) // 8, ctypes.addressof(self._filter))
         self._fprog_ref = ctypes.byref(self._fprog)
+        self.ipc_info = ctypes.create_string_buffer(64)  # struct shm_info / seminfo / msginfo
         self.start = self.snapshot()
 
     def confine(self) -> None:
@@ -266,16 +268,21 @@ class Guard:
             raise RuntimeError("the kernel refused the children's seccomp filter (CONFIG_SECCOMP_FILTER?)")
 
     @staticmethod
-    def snapshot() -> tuple[object, ...]:
-        limits = tuple(resource.getrlimit(getattr(resource, n)) for n in sorted(dir(resource))
-                       if n.startswith("RLIMIT_"))
+    def _read(path: str) -> bytes:
         try:
-            with open("/proc/self/oom_score_adj", "rb") as f:
-                oom = f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            oom = b"?"
-        return (limits, os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)),
-                os.sched_getscheduler(0), oom)
+            return b"?"
+        try:
+            return os.read(fd, 8192)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def snapshot(cls) -> tuple[object, ...]:
+        """The server's own rlimits, priority, CPUs, scheduler and OOM score (cheap: ~10 syscalls)."""
+        return (cls._read("/proc/self/limits"), os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0),
+                os.sched_getscheduler(0), cls._read("/proc/self/oom_score_adj"))
 
     def changed(self) -> str:
         """What differs from the start (empty: nothing). The filter should make this impossible."""
@@ -284,10 +291,22 @@ class Guard:
         return ", ".join(n for n, a, b in zip(names, self.start, now, strict=True) if a != b)
 
 
-def sweep_sysv_ipc(libc: Any) -> None:
+def sweep_sysv_ipc(libc: Any, info: Any) -> None:
     """Remove every SysV shared memory segment, semaphore set and message queue of this IPC namespace
-    (a request's objects outlive it otherwise; only called where the namespace is the worker's own)."""
-    for kind in ("shm", "sem", "msg"):
+    (a request's objects outlive it otherwise; only called where the namespace is the worker's own).
+
+    Three ``*_INFO`` calls count them first (``info``: a 64-byte ctypes buffer), so the usual case,
+    none, costs no /proc parsing."""
+    counts = []
+    for call, cmd, index in ((libc.shmctl, 14, 0), (libc.semctl, 19, 7), (libc.msgctl, 12, 0)):
+        ctypes_args = (0, 0, cmd, info) if call is libc.semctl else (0, cmd, info)  # SHM/SEM/MSG_INFO
+        if call(*ctypes_args) < 0:
+            counts.append(1)  # cannot tell: look
+        else:
+            counts.append(struct.unpack_from("<10i", info.raw)[index])  # used_ids, semusz, msgpool
+    for kind, count in zip(("shm", "sem", "msg"), counts, strict=True):
+        if not count:
+            continue
         try:
             with open(f"/proc/sysvipc/{kind}", "rb") as f:
                 lines = f.read().splitlines()[1:]
@@ -378,7 +397,7 @@ class Server:
                 for name in os.listxattr(d):
                     os.removexattr(d, name)
         if self.mode != "host":
-            sweep_sysv_ipc(self.guard.libc)
+            sweep_sysv_ipc(self.guard.libc, self.guard.ipc_info)
 
     # -- one request ---------------------------------------------------------
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:

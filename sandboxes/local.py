@@ -6,8 +6,10 @@ read-only ``/usr``, fresh tmpfs ``/work`` and ``/tmp``, a clean environment,
 running as uid 65534 (both inside and, when we are root, on the host). Inside
 it, :mod:`agentrl.sandboxes._forkserver` is PID 1 and forks one fresh process
 per request with rlimits (CPU, address space, file size, processes), then kills
-everything the request left and wipes the writable directories. Where cgroups
-are writable, each worker also gets a memory and a pids cgroup.
+everything the request left and wipes the writable directories. The server is
+out of the code's reach (not dumpable, every child under a seccomp filter; see
+:class:`agentrl.sandboxes._forkserver.Guard`). Where cgroups are writable, each
+worker also gets a memory and a pids cgroup.
 
 The host keeps a wall-clock backstop: a worker that does not answer in time
 is killed (its PID namespace dies with its init) and replaced.

@@ -352,10 +352,17 @@ async def test_fork_server_proc_files(harness: Harness, proc_tools: Any,
 
 
 SIGNAL_SERVER = r'''
-import os, signal
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
 pp = os.getppid()
+procfd = os.open(f"/proc/{pp}", os.O_RDONLY | os.O_DIRECTORY)  # a pidfd for pidfd_send_signal
+
+def pidfd_send(s):
+    if libc.syscall(424, procfd, int(s), None, 0) != 0:
+        raise OSError(ctypes.get_errno(), "pidfd_send_signal")
+
 for name, call in [("kill", lambda s: os.kill(pp, s)), ("group", lambda s: os.killpg(os.getpgid(pp), s)),
-                   ("all", lambda s: os.kill(-1, s))]:
+                   ("all", lambda s: os.kill(-1, s)), ("pidfd", pidfd_send)]:
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):
         try:
             call(s)
@@ -368,7 +375,7 @@ print("still here")
 
 async def test_signal_fork_server(harness: Harness, proc_tools: Any,
                                   hazard_table: dict[tuple[str, str], str]) -> None:
-    """Signals to the fork server (by pid, its group, or everyone) are refused, on every mode."""
+    """Signals to the fork server (by pid, its group, everyone, or through a pidfd) are refused, on every mode."""
     needs_fork_server(harness)
     r = await harness.sb.run(ExecRequest(code=SIGNAL_SERVER))
     assert r.status == "ok" and r.stdout.endswith("still here\n"), r
