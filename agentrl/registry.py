@@ -36,7 +36,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, mod
 
 from agentrl.env import Env, EnvConfig
 from agentrl.errors import ConfigError, PluginError, closest, config_error
-from agentrl.plugin_entry import KINDS, SINGULAR, Entry  # KINDS, SINGULAR: importable from here too
+from agentrl.plugin_entry import KINDS as KINDS  # re-exported: callers list kinds from here
+from agentrl.plugin_entry import SINGULAR as SINGULAR
+from agentrl.plugin_entry import Entry
 
 MARKER = "__agentrl_plugin__"
 """Attribute set by the decorators: (kind, name)."""

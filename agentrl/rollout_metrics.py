@@ -112,6 +112,5 @@ class RolloutMetrics:
             out[f"rollout/staleness/{lag}"] = float(n)
         if self.groups_out:
             out["rollout/reward_mean"] = self.reward_sum / self.groups_out
-            out["rollout/staleness_mean"] = sum(k * n for k, n in self.staleness.items()) / self.groups_out
         self._reset()
         return out
