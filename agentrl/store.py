@@ -437,7 +437,9 @@ def upgrade_store(path: str | Path) -> int | None:
     """Upgrade an older store file in place (opened for writing once); returns the version it had.
 
     None when it already had this version. For tools that then open it
-    read-only (`agentrl replay`, `agentrl show`).
+    read-only (`agentrl replay`, `agentrl show`). Runs of that time stored no
+    eval metrics in the store (only in their metrics.jsonl): those beside the
+    store are added (`add_logged_metrics`).
     """
     target = resolve_store_path(path)
     if not target.is_file():
@@ -446,8 +448,33 @@ def upgrade_store(path: str | Path) -> int | None:
         found = store.schema_version
     if found == STORE_SCHEMA_VERSION:
         return None
-    TrajectoryStore(target).close()
+    with TrajectoryStore(target) as store:
+        log = target.parent / "metrics.jsonl"
+        if log.is_file():
+            add_logged_metrics(store, log)
     return found
+
+
+def add_logged_metrics(store: TrajectoryStore, metrics_jsonl: Path) -> int:
+    """Add the per-step values of a run's metrics.jsonl that the store lacks; returns how many.
+
+    Values the store holds are kept; warm-start rows (negative steps) and
+    non-numeric fields are skipped. Committed at once.
+    """
+    have = {(step, key) for step, key in store.read("SELECT step, key FROM metrics")}
+    added = 0
+    for line in metrics_jsonl.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line) if line.strip() else {}
+        step = row.get("step")
+        if not isinstance(step, int) or step < 0:
+            continue
+        new = {k: float(v) for k, v in row.items() if k not in ("step", "time") and (step, k) not in have
+               and isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+        if new:
+            store.add_metrics(step, new)
+            added += len(new)
+    store.commit()
+    return added
 
 
 def _record(row: Sequence[Any]) -> StoredTrajectory:

@@ -5,7 +5,7 @@
 
 The run is the README's main job (`agentrl train examples/calculator.yaml`:
 SmolLM2-135M-Instruct, two worked demonstrations in every prompt, the
-calculator tool) shortened by `OVERRIDES` to 8 steps with a held-out
+calculator tool) shortened by `OVERRIDES` to 6 steps with a held-out
 evaluation on 16 tasks every 2 steps. The pages are shot in Chromium (Debian
 `chromium`, driven by Playwright; `.ci/setup_browser.sh`) at 1280x820 and
 written to docs/replay-{overview,list,conversation,tokens,group}.png.
@@ -138,9 +138,9 @@ def screenshots(run: Path, docs: Path = DOCS) -> list[Path]:
         page.wait_for_selector("#tokens span.tok")
         page.select_option("#colour-by", "logprobs")
         token = page.locator(f"#tokens span.tok[data-i='{token_index}']")
-        token.evaluate(
-            "el => { el.scrollIntoView({block: 'start'}); window.scrollBy(0, -330); }"
-        )  # below the prompt
+        # room below the last line, so the model's first turn can sit mid-screen with the tooltip under it
+        page.evaluate("document.getElementById('app').style.paddingBottom = '420px'")
+        token.evaluate("el => { el.scrollIntoView({block: 'start'}); window.scrollBy(0, -300); }")
         token.hover()
         shoot(page, "tokens")
 

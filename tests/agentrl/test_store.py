@@ -392,3 +392,25 @@ def test_opening_a_schema_1_store_for_writing_upgrades_it(tmp_path: Path) -> Non
         store.add_trajectory(_traj(0), step=2, status="trained")
     with TrajectoryQueries.open(path) as q:
         assert q.count() == 11 and [r["step"] for r in q.step_rewards()] == [1, 2]
+
+
+def test_upgrading_adds_the_eval_metrics_the_run_logged_beside_its_store(tmp_path: Path) -> None:
+    """Runs of schema-1 days stored eval metrics in metrics.jsonl only; the upgrade adds what is missing."""
+    from agentrl.store import upgrade_store
+
+    (tmp_path / STORE_FILENAME).write_bytes(STORE_V1.read_bytes())
+    with TrajectoryStore(tmp_path, readonly=True) as old:
+        stored = dict(old.metrics())
+    assert stored[1]["reward/mean"] == pytest.approx(0.3125) and 0 not in stored
+    rows = [
+        {"step": -1, "sft/loss": 2.0},
+        {"step": 0, "time": 1.0, "eval/reward_mean": 0.375, "eval/pass@1": 0.375, "note": "text"},
+        {"step": 1, "reward/mean": 99.0, "time/wall_s": 118.7},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert upgrade_store(tmp_path) == 1
+    with TrajectoryStore(tmp_path, readonly=True) as new:
+        got = dict(new.metrics())
+    assert got[0] == {"eval/reward_mean": 0.375, "eval/pass@1": 0.375}
+    assert got[1] == {**stored[1], "time/wall_s": 118.7}  # the stored reward/mean is kept
+    assert -1 not in got

@@ -145,7 +145,7 @@ async function showOverview() {
 // One chart: { id, title, series: [{label, key, points: [[step, value], ...]}], band?: [[step, lo, hi]] },
 // every series on the same axes, one colour each (classes s0, s1, ...), with a legend.
 function chart(spec) {
-  const W = 340, H = 150, L = 44, R = 8, T = 8, B = 20;
+  const W = 340, H = 150, L = 52, R = 8, T = 8, B = 20;
   const box = h("div", { class: "panel chart", dataset: { metric: spec.id } }, h("h3", { text: spec.title }));
   const finite = p => p[1] !== null && p[1] !== undefined && isFinite(p[1]);
   const series = spec.series.map(s => Object.assign({}, s, { pts: s.points.filter(finite) }));
