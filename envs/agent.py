@@ -43,7 +43,7 @@ from agentrl.rollout_episode import classify
 from agentrl.tool_parsers import get_parser
 from agentrl.types import JSON, EpisodeError, ErrorClass, Message, Trajectory
 
-from .reward_specs import RewardSpec, build_rewards, score_all
+from .reward_specs import NamedReward, RewardSpec, build_rewards, score_all
 
 Solve = Callable[..., Awaitable[Any]]
 
@@ -136,6 +136,15 @@ class AgentEnv(Env):
         super().__init__(config)
         self.plugins = plugins
         self._solve: Solve | None = None
+        self._rewards: list[NamedReward] | None = None
+
+    async def close(self) -> None:
+        """Close the reward plugins this env built (verifier worker pools)."""
+        rewards, self._rewards = self._rewards or [], None
+        for _, _, reward in rewards:
+            close = getattr(reward, "close", None)
+            if close is not None:
+                await close()
 
     def tasks(self, split: str = "train") -> Iterable[Task]:
         source = self.config.tasks
@@ -225,8 +234,9 @@ class AgentEnv(Env):
         if result is None and session.reward is not None:
             result = RewardResult(value=session.reward, breakdown=dict(session.breakdown))
         if result is None and self.config.rewards:
-            rewards = build_rewards(self.config.rewards, plugins=self.plugins, prefix="env.rewards")
-            result = await score_all(rewards, task, session.final_messages())
+            if self._rewards is None:
+                self._rewards = build_rewards(self.config.rewards, plugins=self.plugins, prefix="env.rewards")
+            result = await score_all(self._rewards, task, session.final_messages())
         if result is None and session.truncation_reason is not None:  # cut off by a budget before it could answer
             result = RewardResult(value=0.0)
         if result is None:

@@ -59,6 +59,11 @@ async def solve_posting(task: dict[str, Any], base_url: str, api_key: str) -> No
         assert (await http.post(f"{root}/reward", json={"reward": 0.75, "breakdown": {"judge": 0.75}})).status_code == 200
 
 
+async def solve_silent(task: dict[str, Any], client: Any) -> None:
+    """Returns no reward: the env's reward plugins score the final messages."""
+    await openai_agent(client, task["question"])
+
+
 async def solve_crashing(task: dict[str, Any], client: Any) -> float:
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["question"]}])
     raise RuntimeError("the agent's own bug")
@@ -68,10 +73,10 @@ def _env(agent: str, **kw: Any) -> AgentEnv:
     return AgentEnv(AgentEnvConfig(agent=f"{__file__}:{agent}", tasks=TASKS, **kw))
 
 
-async def _groups(agent: str, engine: Any, tokenizer: Any, **kw: Any) -> list[Group]:
+async def _groups(agent: str, engine: Any, tokenizer: Any, env: dict[str, Any] | None = None, **kw: Any) -> list[Group]:
     config = RolloutConfig(group_size=2, groups_per_step=2, max_in_flight=4, max_staleness=4, max_turns=4,
                            max_new_tokens_per_turn=64, max_total_tokens=2048, **kw)
-    async with RolloutManager(lambda: _env(agent), TASKS, engine, tokenizer, config) as manager:
+    async with RolloutManager(lambda: _env(agent, **(env or {})), TASKS, engine, tokenizer, config) as manager:
         return [g async for g in manager.groups()]
 
 
@@ -155,3 +160,22 @@ async def test_agent_crash_is_a_classified_failure(engine: ScriptedEngine, token
     for traj in (t for g in groups for t in g.trajectories):
         assert traj.error is not None and traj.error.kind is ErrorClass.ENV and "the agent's own bug" in traj.error.message
         assert traj.reward == 0.0 and traj.num_sampled_tokens > 0
+
+
+@pytest.mark.model
+async def test_reward_plugins_score_the_final_messages(engine: ScriptedEngine, tokenizer: HFChatTokenizer) -> None:
+    groups = await _groups("solve_silent", engine, tokenizer, env={"rewards": [{"name": "math"}]})
+    for traj in (t for g in groups for t in g.trajectories):
+        assert traj.error is None and traj.reward == 1.0
+        assert traj.reward_breakdown["math"] == 1.0 and traj.reward_breakdown["correct"] == 1.0
+
+
+@pytest.mark.model
+async def test_an_agent_cut_off_by_the_turn_budget_ends_truncated(engine: ScriptedEngine, tokenizer: HFChatTokenizer) -> None:
+    """max_turns=1: the agent's second call is refused; the episode is truncated with reward 0, not a failure."""
+    config = RolloutConfig(group_size=1, groups_per_step=1, max_turns=1, max_new_tokens_per_turn=64)
+    async with RolloutManager(lambda: _env("solve"), TASKS[:1], engine, tokenizer, config) as manager:
+        [group] = [g async for g in manager.groups()]
+    [traj] = group.trajectories
+    assert traj.error is None and traj.truncated and traj.truncation_reason == "max_turns" and traj.reward == 0.0
+    assert len(traj.turns) == 1
