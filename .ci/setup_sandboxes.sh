@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare a fresh Debian 12 machine (as root) for the sandbox tests. Idempotent.
 #
-#   1. apt: bubblewrap (local backend), docker.io, debootstrap (image build), python3-seccomp
+#   1. apt: bubblewrap (local backend), docker.io, debootstrap (image build). (The children's seccomp
+#      filter is classic BPF built with the stdlib (ctypes) in the fork server: no libseccomp needed.)
 #   2. start dockerd in the background WITHOUT iptables/bridge, with its own data root
 #      and socket (/run/agentrl/docker.sock): it works on machines without a network stack
 #      for containers, and never touches a system docker
@@ -30,14 +31,14 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 missing() { for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || echo "$pkg"; done; }
-need=$(missing bubblewrap docker.io debootstrap python3-seccomp)
+need=$(missing bubblewrap docker.io debootstrap)
 if [ -n "$need" ]; then
   log "installing" $need
   apt-get update -qq || log "apt-get update failed"
   # bubblewrap is required (the default backend); the docker parts are optional
   apt-get install -y -qq --no-install-recommends bubblewrap || { log "cannot install bubblewrap"; exit 1; }
   # shellcheck disable=SC2086
-  apt-get install -y -qq --no-install-recommends $(missing docker.io debootstrap python3-seccomp) ca-certificates \
+  apt-get install -y -qq --no-install-recommends $(missing docker.io debootstrap) ca-certificates \
     || log "docker.io/debootstrap install failed: docker tests will skip"
 fi
 command -v bwrap >/dev/null || { log "bubblewrap missing after install"; exit 1; }
