@@ -203,10 +203,11 @@ class AgentEnv(Env):
         reward = result.value if result is not None and error is None else 0.0
         trajs = session.trajectories(task=dict(task), env=self.name, group_id=group_id, sample_index=sample_index,
                                      reward=reward, breakdown=result.breakdown if result is not None else None)
-        if not trajs:
+        if not trajs:  # nothing to train on: an env failure (retried or dropped), never a kept empty sample
             trajs = [Trajectory(task_id=str(task.get("id", "")), env=self.name, messages=[], token_ids=[], loss_mask=[],
                                 logprobs=[], versions=[], group_id=group_id, sample_index=sample_index, task=dict(task))]
-            error = error or EpisodeError(ErrorClass.ENV, "the agent made no model call")
+            why = f" ({error.kind.value}: {error.message})" if error is not None else ""
+            error = EpisodeError(ErrorClass.ENV, f"the agent made no model call{why}")
         for traj in trajs:
             traj.seed = seed
             if error is not None:

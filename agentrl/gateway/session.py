@@ -327,22 +327,27 @@ class Session:
 
     def trajectories(self, *, task: dict[str, JSON], env: str, group_id: str = "", sample_index: int = 0,
                      reward: float = 0.0, breakdown: dict[str, float] | None = None) -> list[Trajectory]:
-        """One trajectory per branch that sampled tokens; the one that answered last comes first."""
+        """One trajectory per branch that sampled tokens; the one that answered last comes first.
+
+        When no call was answered, the last branch's prompt alone (no turns); none when no call came.
+        """
         out: list[Trajectory] = []
         task_id = str(task.get("id", ""))
         every: list[Branch | TokenBranch] = [*self.branches, *self.token_branches]
+        sampled = [b for b in every if (b.turns if isinstance(b, TokenBranch) else b.conv.turns)]
+        if not sampled and self.branches:  # no call was answered: the prompt alone, as a native episode would give
+            sampled = [self.branches[-1]]
+        main = (self.last_branch or sampled[-1]) if sampled else None
         ids = {id(b): new_id() for b in every}
-        for branch in every:
+        for branch in sampled:
             turns = branch.turns if isinstance(branch, TokenBranch) else branch.conv.turns
-            if not turns:
-                continue
             for turn, call in zip(turns, branch.calls, strict=True):
                 turn.reward = self.turn_rewards.get(call, 0.0)
                 turn.info["call"] = call
             info: dict[str, JSON] = {"gateway": {
                 "session": self.id, "branch": branch.index, "kind": "tokens" if isinstance(branch, TokenBranch) else "chat",
                 "branches": len(self.branches) + len(self.token_branches),
-                "main": branch is self.last_branch,
+                "main": branch is main,
             }}
             if isinstance(branch, Branch) and branch.index > 0:
                 parent = self.branches[branch.parent] if branch.parent is not None else None

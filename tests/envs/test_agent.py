@@ -179,3 +179,21 @@ async def test_an_agent_cut_off_by_the_turn_budget_ends_truncated(engine: Script
     [traj] = group.trajectories
     assert traj.error is None and traj.truncated and traj.truncation_reason == "max_turns" and traj.reward == 0.0
     assert len(traj.turns) == 1
+
+
+async def solve_without_calling(task: dict[str, Any], client: Any) -> float:
+    raise TimeoutError("the agent hung before asking the model")
+
+
+@pytest.mark.model
+async def test_failures_before_any_answer_never_hand_the_trainer_an_empty_sample(tokenizer: HFChatTokenizer) -> None:
+    """An engine failing on the first call: the prompt alone is kept (engine class); no call at all: an env failure."""
+    failing = ScriptedEngine(ScriptedEngine.Config(error_rate=1.0), tokenizer=tokenizer)
+    groups = await _groups("solve", failing, tokenizer, on_error={"engine": "zero_reward"})
+    for traj in (t for g in groups for t in g.trajectories):
+        assert traj.error is not None and traj.error.kind is ErrorClass.ENGINE
+        assert len(traj.token_ids) > 2 and traj.num_sampled_tokens == 0 and traj.turns == []
+    engine = ScriptedEngine(tokenizer=tokenizer)
+    groups = await _groups("solve_without_calling", engine, tokenizer, on_error={"env": "zero_reward", "timeout": "zero_reward"})
+    for traj in (t for g in groups for t in g.trajectories):
+        assert traj.error is not None and traj.error.kind is ErrorClass.ENV and "made no model call" in traj.error.message
