@@ -67,6 +67,9 @@ __all__ = [  # the tokenizer names are re-exported: `from agentrl.chat import Ch
 ]
 
 
+TruncationSide = Literal["left", "right", "middle"]
+"""The side cut from a long tool output: right keeps the head, left the tail, middle both ends."""
+
 # --------------------------------------------------------------------------- token helpers
 
 
@@ -90,7 +93,7 @@ def closing_remainder(sampled: Sequence[int], closing: Sequence[int], eos_ids: S
 
 
 def truncate_ids_text(
-    tokenizer: ChatTokenizer, text: str, max_tokens: int, side: Literal["left", "right", "middle"]
+    tokenizer: ChatTokenizer, text: str, max_tokens: int, side: TruncationSide
 ) -> str:
     """`text` cut to at most `max_tokens` tokens, with a marker saying how much went.
 
@@ -150,7 +153,7 @@ class Budgets:
     max_total_tokens: int = 4096
     max_new_tokens_per_turn: int = 512
     max_tool_output_tokens: int = 512
-    tool_output_truncation: Literal["left", "right", "middle"] = "middle"
+    tool_output_truncation: TruncationSide = "middle"
 
     def __post_init__(self) -> None:
         for key in ("max_turns", "max_total_tokens", "max_new_tokens_per_turn", "max_tool_output_tokens"):

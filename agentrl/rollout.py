@@ -30,7 +30,7 @@ from typing import Any
 
 from agentrl.chat import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
-from agentrl.env import Env, EpisodeDriver, Task
+from agentrl.env import Env, Task
 from agentrl.rollout_config import FailurePolicy, RolloutConfig
 from agentrl.rollout_episode import EpisodeFailure, classify, run_episode
 from agentrl.rollout_metrics import RolloutMetrics
@@ -373,10 +373,12 @@ class RolloutManager:
         except Exception as e:
             return [_failed(task, classify(e, ErrorClass.ENV), f"env_factory failed: {e}", group_id, index, seed)]
         try:
-            if isinstance(env, EpisodeDriver):  # the env runs its own episode (the `agent` env: the gateway)
-                return await env.drive_episode(
+            drive = getattr(env, "drive_episode", None)  # an `EpisodeDriver` (the `agent` env) runs its own
+            if drive is not None:
+                trajs: list[Trajectory] = await drive(
                     task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
                 )
+                return trajs
             return [await run_episode(
                 env, task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
             )]

@@ -2,8 +2,9 @@
 
 generate -> parse the reply -> env.step -> append the env's messages -> ...
 until the env terminates or truncates, a budget (turns, total tokens) runs out
-or the episode deadline passes. Every await has its own deadline
-(`asyncio.timeout`, nested in the episode's). A failure ends the episode with a
+or the episode deadline passes. Every await has its own deadline: the
+episode runs inside one `asyncio.timeout`, rescheduled before each call to
+that call's deadline (never past the episode's). A failure ends the episode with a
 classified `EpisodeError` on the trajectory instead of raising: the rollout
 manager decides per class what happens next. The reward is the sum of the
 step rewards (a ToolEnv puts its final score in the last step's reward); each
@@ -22,7 +23,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from agentrl.chat import Budgets, ChatTokenizer, Conversation
@@ -59,22 +60,6 @@ def classify(exc: BaseException, default: ErrorClass) -> ErrorClass:
     return default
 
 
-async def bounded(aw: Awaitable[T], timeout_s: float, kind: ErrorClass, what: str) -> T:
-    """Await one boundary call (`what`: "env.step", ...) under its own deadline.
-
-    An exception becomes an `EpisodeFailure` classified with default class
-    `kind`; passing `timeout_s` is a `TIMEOUT` failure. A cancellation (the
-    episode's own deadline, or the run stopping) propagates unchanged.
-    """
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await aw
-    except TimeoutError as e:
-        raise EpisodeFailure(classify(e, kind), f"{what} timed out after {timeout_s}s") from e
-    except Exception as e:
-        raise EpisodeFailure(classify(e, kind), f"{what} failed: {type(e).__name__}: {e}") from e
-
-
 def episode_seed(seed: int | None, turn: int) -> int | None:
     """The engine seed of one turn: reproducible per (episode seed, turn)."""
     return None if seed is None else (seed * 1_000_003 + turn) % (2**63)
@@ -104,14 +89,12 @@ async def run_episode(
     episode = _Episode(env, task, engine, tokenizer, config, seed)
     error: EpisodeError | None = None
     try:
-        async with asyncio.timeout(config.episode_timeout_s):
+        async with asyncio.timeout(config.episode_timeout_s) as episode.timer:
             await episode.run()
     except EpisodeFailure as e:
         error = EpisodeError(e.error_class, str(e), turn=episode.turns())
-    except TimeoutError:  # the episode's own deadline
-        error = EpisodeError(
-            ErrorClass.TIMEOUT, f"episode exceeded episode_timeout_s={config.episode_timeout_s}", turn=episode.turns()
-        )
+    except TimeoutError:  # the deadline of the call in progress, or the episode's
+        error = EpisodeError(ErrorClass.TIMEOUT, episode.timed_out(), turn=episode.turns())
     except Exception as e:  # a contract violation inside the loop (e.g. a template problem)
         error = EpisodeError(ErrorClass.ENV, f"{type(e).__name__}: {e}", turn=episode.turns())
     return episode.trajectory(error, group_id=group_id, sample_index=sample_index)
@@ -135,15 +118,50 @@ class _Episode:
         self.terminated = self.truncated = False
         self.reason: str | None = None
         self.gen_s = self.env_s = 0.0
+        self.timer: asyncio.Timeout | None = None  # the episode's timeout, entered by run_episode
+        loop = asyncio.get_running_loop()
+        self.clock = loop.time
+        self.episode_end = self.clock() + config.episode_timeout_s
+        self.call: tuple[str, float, float] = ("", 0.0, self.episode_end)  # what, its limit, its deadline
 
     def turns(self) -> int:
         return len(self.conv.turns) if self.conv is not None else 0
+
+    async def bounded(self, aw: Awaitable[T], timeout_s: float, kind: ErrorClass, what: str) -> T:
+        """Await one boundary call (`what`: "env.step", ...) under its own deadline.
+
+        The episode's timer moves to this call's deadline (never past the
+        episode's). The call's exception becomes an `EpisodeFailure` classified
+        with default class `kind`; a cancellation passes through unchanged (the
+        timer's becomes a TimeoutError in `run_episode`, see `timed_out`).
+        """
+        assert self.timer is not None, "bounded() runs inside run_episode's timeout"
+        if self.timer.expired():  # the previous call swallowed the cancellation: its deadline still counts
+            if isinstance(aw, Coroutine):
+                aw.close()  # never started
+            raise TimeoutError
+        deadline = min(self.clock() + timeout_s, self.episode_end)
+        self.call = (what, timeout_s, deadline)
+        self.timer.reschedule(deadline)
+        try:
+            return await aw
+        except TimeoutError as e:  # the call's own (not the timer's: that one arrives as a cancellation)
+            raise EpisodeFailure(classify(e, kind), f"{what} timed out after {timeout_s}s") from e
+        except Exception as e:
+            raise EpisodeFailure(classify(e, kind), f"{what} failed: {type(e).__name__}: {e}") from e
+
+    def timed_out(self) -> str:
+        """Which deadline passed: the call's in progress, or the whole episode's."""
+        what, timeout_s, deadline = self.call
+        if deadline < self.episode_end:
+            return f"{what} timed out after {timeout_s}s"
+        return f"episode exceeded episode_timeout_s={self.config.episode_timeout_s}"
 
     async def run(self) -> None:
         env, config = self.env, self.config
         eos = tuple(self.tokenizer.eos_ids)
         t = time.monotonic()
-        self.opening, _ = await bounded(env.reset(self.task, seed=self.seed), config.env_timeout_s,
+        self.opening, _ = await self.bounded(env.reset(self.task, seed=self.seed), config.env_timeout_s,
                                         ErrorClass.ENV, "env.reset")
         self.env_s += time.monotonic() - t
         state_key = env.state_key()  # the state the next turn acts on
@@ -162,7 +180,7 @@ class _Episode:
                 break
             sampling = sampling.for_turn(max_new, episode_seed(self.seed, turn))
             t = time.monotonic()
-            completion = await bounded(self.engine.generate(conv.token_ids, sampling), config.generate_timeout_s,
+            completion = await self.bounded(self.engine.generate(conv.token_ids, sampling), config.generate_timeout_s,
                                        ErrorClass.ENGINE, "engine.generate")
             self.gen_s += time.monotonic() - t
             ids = completion.ids
@@ -178,7 +196,7 @@ class _Episode:
             if state_key is not None:
                 last.info["state_key"] = state_key
             t = time.monotonic()
-            result = await bounded(env.step(action), config.env_timeout_s, ErrorClass.ENV, "env.step")
+            result = await self.bounded(env.step(action), config.env_timeout_s, ErrorClass.ENV, "env.step")
             self.env_s += time.monotonic() - t
             step_reward = result.reward
             if not math.isfinite(step_reward):  # it would poison the group's advantages

@@ -1,6 +1,6 @@
 """The rollout hot path's shortcuts give exactly what the plain computations give.
 
-Covers the per-call deadlines (`bounded`), `Sampling.for_turn`, SimpleChatTokenizer.encode,
+Covers the per-call deadlines of `run_episode`, `Sampling.for_turn`, SimpleChatTokenizer.encode,
 the Conversation's memoised deltas and turn endings, the trajectory run_episode builds
 and the cheaper version scans on trajectories and groups.
 """
@@ -8,6 +8,7 @@ and the cheaper version scans on trajectories and groups.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 import string
@@ -18,46 +19,75 @@ from hypothesis import strategies as st
 
 from agentrl.chat import Conversation, SimpleChatTokenizer, closing_remainder
 from agentrl.engines.base import Sampling
-from agentrl.rollout_episode import EpisodeFailure, bounded
+from agentrl.engines.scripted import ScriptedEngine
+from agentrl.env import StepResult
+from agentrl.rollout_episode import run_episode
 from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
 from agentrl.types import Completion, ErrorClass, Group, Message, Trajectory, new_id
 
 # -- per-call deadlines -------------------------------------------------------------------
 
 
+class _SlowStep(TrivialEnv):
+    """Steps that take `delay_s`; `swallow` makes the first one swallow its cancellation (bad code)."""
+
+    def __init__(self, delay_s: float, swallow: bool = False) -> None:
+        super().__init__(TrivialEnvConfig(turns=3))
+        self.delay_s, self.swallow = delay_s, swallow
+
+    async def step(self, action: Message) -> StepResult:
+        if self.swallow:
+            self.swallow = False
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(self.delay_s)
+        else:
+            await asyncio.sleep(self.delay_s)
+        return await super().step(action)
+
+
+async def _episode(env: TrivialEnv, **config: float) -> Trajectory:
+    from agentrl.rollout_config import RolloutConfig
+
+    tok = SimpleChatTokenizer()
+    engine = ScriptedEngine(ScriptedEngine.Config(replies=["Fine."]), tokenizer=tok)
+    return await run_episode(env, {"id": "a", "prompt": "go"}, engine, tok, RolloutConfig.model_validate(config))
+
+
 async def test_a_blocking_call_past_its_deadline_is_a_classified_timeout() -> None:
-    with pytest.raises(EpisodeFailure) as info:
-        await bounded(asyncio.sleep(10.0), 0.02, ErrorClass.ENV, "env.step")
-    assert info.value.error_class is ErrorClass.TIMEOUT and "env.step timed out after 0.02s" in str(info.value)
+    traj = await _episode(_SlowStep(10.0), env_timeout_s=0.02)
+    assert traj.error is not None and traj.error.kind is ErrorClass.TIMEOUT
+    assert traj.error.message == "env.step timed out after 0.02s" and traj.error.turn == 1
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_the_episode_deadline_caps_every_call() -> None:
+    traj = await _episode(_SlowStep(10.0), env_timeout_s=60.0, episode_timeout_s=0.03)
+    assert traj.error is not None and traj.error.kind is ErrorClass.TIMEOUT
+    assert traj.error.message == "episode exceeded episode_timeout_s=0.03"
+
+
+async def test_a_swallowed_deadline_cancellation_still_ends_the_episode_as_a_timeout() -> None:
+    traj = await _episode(_SlowStep(0.2, swallow=True), env_timeout_s=0.02)
+    assert traj.error is not None and traj.error.kind is ErrorClass.TIMEOUT
+    assert traj.error.message == "env.step timed out after 0.02s"
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
 
 async def test_a_failing_call_is_classified_with_its_default_class() -> None:
-    async def broken() -> None:
-        raise KeyError("x")
+    class Broken(TrivialEnv):
+        async def step(self, action: Message) -> StepResult:
+            raise KeyError("x")
 
-    with pytest.raises(EpisodeFailure) as info:
-        await bounded(broken(), 5.0, ErrorClass.ENV, "env.step")
-    assert info.value.error_class is ErrorClass.ENV and "env.step failed: KeyError" in str(info.value)
-
-
-async def test_the_episode_deadline_caps_every_call() -> None:
-    with pytest.raises(TimeoutError) as info:
-        async with asyncio.timeout(0.03):
-            await bounded(asyncio.sleep(10.0), 60.0, ErrorClass.ENV, "env.step")
-    assert not isinstance(info.value, EpisodeFailure)  # the episode's own timeout, not the call's
+    traj = await _episode(Broken(TrivialEnvConfig(turns=2)))
+    assert traj.error is not None and traj.error.kind is ErrorClass.ENV
+    assert traj.error.message.startswith("env.step failed: KeyError")
 
 
 async def test_a_cancellation_from_outside_propagates_unchanged() -> None:
-    started = asyncio.Event()
-
-    async def episode() -> str:
-        started.set()
-        await bounded(asyncio.sleep(3600), 60.0, ErrorClass.ENV, "env.step")
-        return "done"
-
-    job = asyncio.create_task(episode())
-    await started.wait()
+    env = _SlowStep(3600.0)
+    job = asyncio.create_task(_episode(env, env_timeout_s=60.0))
+    await asyncio.sleep(0.05)  # the episode now sits in its first env.step
+    assert not job.done()
     job.cancel()
     with pytest.raises(asyncio.CancelledError):
         await job
