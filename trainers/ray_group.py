@@ -1,8 +1,8 @@
 """The `ray` trainer: N torch-trainer ranks as Ray actors in one torch.distributed group, behind one trainer.
 
-`agentrl train` drives a trainer through five calls (`train_step`, `sft_step`,
-`state_for_engines`, `save`, `load`) and its `policy_version`. This plugin
-answers them for a data-parallel group (and sequence parallel, with
+`agentrl train` drives a trainer through the `agentrl.trainer.Trainer`
+contract (`train_step`, `sft_step`, `state_for_engines`, `save`, `load`,
+`policy_version`, and `close` when it ends). This plugin answers it for a data-parallel group (and sequence parallel, with
 `sequence_parallel_size`) placed by Ray, so scaling the trainer past one
 process or one machine is a config change, not a launcher script:
 
