@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -344,7 +343,8 @@ class RolloutManager:
         One trajectory per episode, except from an episode driver (`EpisodeDriver`, the `agent`
         env): its branch trajectories follow the first, in the same group, with the same fate.
         """
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             seed = (((self._seed * 1_000_003 + position) * 1009 + index) * 31 + attempt) % (2**62)
             async with asyncio.timeout(self._stall_timeout_s):
                 await self._slots.acquire()
@@ -363,8 +363,8 @@ class RolloutManager:
                 return trajs, True
             if policy is not FailurePolicy.RETRY or attempt >= self.config.max_retries:
                 return trajs, False
+            attempt += 1
             self._metrics.retries += 1
-        raise AssertionError("unreachable")
 
     async def _episode(self, task: Task, group_id: str, index: int, seed: int) -> list[Trajectory]:
         """Build an env, play one episode in it, close it (its close may fail: the episode stands)."""

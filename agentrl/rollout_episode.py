@@ -161,8 +161,8 @@ class _Episode:
         env, config = self.env, self.config
         eos = tuple(self.tokenizer.eos_ids)
         t = time.monotonic()
-        self.opening, _ = await self.bounded(env.reset(self.task, seed=self.seed), config.env_timeout_s,
-                                        ErrorClass.ENV, "env.reset")
+        reset = env.reset(self.task, seed=self.seed)
+        self.opening, _ = await self.bounded(reset, config.env_timeout_s, ErrorClass.ENV, "env.reset")
         self.env_s += time.monotonic() - t
         state_key = env.state_key()  # the state the next turn acts on
         conv = self.conv = Conversation(
@@ -180,8 +180,8 @@ class _Episode:
                 break
             sampling = sampling.for_turn(max_new, episode_seed(self.seed, turn))
             t = time.monotonic()
-            completion = await self.bounded(self.engine.generate(conv.token_ids, sampling), config.generate_timeout_s,
-                                       ErrorClass.ENGINE, "engine.generate")
+            generate = self.engine.generate(conv.token_ids, sampling)
+            completion = await self.bounded(generate, config.generate_timeout_s, ErrorClass.ENGINE, "engine.generate")
             self.gen_s += time.monotonic() - t
             ids = completion.ids
             if not all(map(math.isfinite, completion.logprobs)):  # the trainer could not use the episode
