@@ -8,7 +8,6 @@ The contract is shaped so that vLLM's AsyncLLM fits without an adapter layer
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,8 +41,8 @@ class Sampling:
             raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
 
     def for_turn(self, max_tokens: int, seed: int | None) -> Sampling:
-        """This sampling with another `max_tokens` and `seed` (one per turn of an episode)."""
-        return dataclasses.replace(self, max_tokens=max_tokens, seed=seed)
+        """This sampling with another `max_tokens` and `seed` (one per turn of an episode; validated as any)."""
+        return Sampling(max_tokens, self.temperature, self.top_p, self.top_k, self.stop_ids, self.stop_strings, seed)
 
 
 class EngineClosed(RuntimeError):
