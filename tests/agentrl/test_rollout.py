@@ -341,6 +341,23 @@ async def test_staleness_zero_is_synchronous(tok: SimpleChatTokenizer) -> None:
         await stream.aclose()
 
 
+async def test_the_staleness_gate_reads_any_version_source(tok: SimpleChatTokenizer) -> None:
+    """`trainer_version=` replaces the engine's version: the gate opens when the source moves, nobody calls in."""
+    version = [0]
+    cfg = config(group_size=1, groups_per_step=1, max_staleness=0)
+    async with RolloutManager(CalcEnv, tasks(4), engine(tok), tok, cfg, trainer_version=lambda: version[0]) as manager:
+        stream = manager.groups()
+        await asyncio.wait_for(anext(stream), 10)
+        await asyncio.sleep(0.05)
+        assert manager.state()["issued"] == 1  # gate closed at version 0
+        version[0] = 1  # e.g. a trainer's policy_version after its step
+        async with asyncio.timeout(10):
+            while manager.state()["issued"] < 2:
+                await asyncio.sleep(0.01)
+        assert manager.trainer_version == 1 and manager.state()["trainer_version"] == 1
+        await stream.aclose()
+
+
 async def test_a_consumer_that_never_moves_the_version_gets_a_stall_that_says_why(tok: SimpleChatTokenizer) -> None:
     """A version that never moves must not be a silent hang: the stall error names the closed gate."""
     cfg = config(group_size=1, groups_per_step=1, max_staleness=0)
