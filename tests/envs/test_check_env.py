@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from agentrl.env import Env, Task
+from agentrl.env_check import acheck_env
 from agentrl.envs.code_env import CodeEnv
 from agentrl.envs.dataset_env import DatasetEnv
 from agentrl.envs.gym_text import GymTextEnv
@@ -18,7 +19,6 @@ from agentrl.envs.math_env import MathEnv
 from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
 from agentrl.resources import RunResources
 from agentrl.rewards import RewardResult
-from agentrl.env_check import acheck_env
 from agentrl.types import Message
 
 

@@ -11,10 +11,10 @@ pytest.importorskip("skyrl_gym")
 
 from agentrl.chat import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
+from agentrl.env_check import check_env
 from agentrl.envs.skyrl_gym_env import SkyRLGymEnv
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import run_episode
-from agentrl.env_check import check_env
 
 
 def rows(path: Path, items: list[dict[str, object]]) -> dict[str, str]:
