@@ -12,5 +12,5 @@ if [ -f .ci/services.env ]; then
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "== ruff"; ruff check .
-echo "== mypy"; mypy
+echo "== mypy (strict, all source)"; bash scripts/typecheck.sh
 echo "== pytest"; python -m pytest -q -ra --durations=25 "$@"
