@@ -98,14 +98,11 @@ def test_agentrl_train_runs_steps_on_the_plugin_env(
     metrics = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) >= 2
 
-    from agentrl.store import TrajectoryStore
+    from agentrl.replay.queries import TrajectoryQueries
 
-    store = TrajectoryStore(run_dir / "trajectories.sqlite", readonly=True)
-    try:
-        rows = store.query(limit=100)
+    with TrajectoryQueries.open(run_dir / "trajectories.sqlite") as queries:
+        rows = queries.query(limit=100)
         assert rows and {r["env"] for r in rows} == {"guess_number"}
-        trajectory = store.get_trajectory(rows[0]["id"])
+        trajectory = queries.store.get_trajectory(str(rows[0]["id"]))
         assert trajectory.messages[0].content.startswith("I picked an integer between 1 and 20")
         assert trajectory.num_sampled_tokens > 0
-    finally:
-        store.close()
