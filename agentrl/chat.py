@@ -357,7 +357,7 @@ class Conversation:
     def _template_facts(self) -> _TemplateFacts:
         """This template's `_TemplateFacts`, shared through the tokenizer's `boundary_cache` if it has one."""
         cache: dict[str, Any] | None = getattr(self.tokenizer, "boundary_cache", None)
-        key = json.dumps(self.tools, sort_keys=True) if self.tools else ""
+        key = json.dumps(self.tools) if self.tools else ""  # key order renders differently: not sorted
         found = cache.get(key) if cache is not None else None
         if not isinstance(found, _TemplateFacts):
             prefix = self.tokenizer.render(list(DUMMY_PREFIX), tools=self.tools)

@@ -155,3 +155,21 @@ async def test_64_sessions_at_once_do_not_mix(gateway: Gateway) -> None:
         assert traj.messages[1].content == f"What is {i} + {1000 + i}?"
         assert traj.messages[3].content == str(1000 + 2 * i)
         assert traj.messages[2].tool_calls[0].arguments == {"expression": f"{i} + {1000 + i}"}
+
+
+async def test_same_tools_in_another_key_order_still_extend(gateway: Gateway) -> None:
+    """Frameworks order a tool schema's keys differently; each order renders its own prompt and deltas
+    (a template cache keyed by sorted JSON once mixed them up and refused the next call)."""
+    reordered = [{"function": {"parameters": TOOLS[0]["function"]["parameters"], "description": TOOLS[0]["function"]["description"],
+                               "name": "calculator"}, "type": "function"}]
+    for tools in (TOOLS, reordered, TOOLS):
+        session = gateway.open_session()
+        client = openai.AsyncOpenAI(base_url=gateway.base_url(session), api_key=session.key, max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 4 + 4?"}]
+        r = await client.chat.completions.create(model="m", messages=messages, tools=tools)  # type: ignore[arg-type]
+        call = r.choices[0].message.tool_calls[0]  # type: ignore[index]
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "8"}]
+        r2 = await client.chat.completions.create(model="m", messages=messages, tools=tools)  # type: ignore[arg-type]
+        await client.close()
+        assert r2.choices[0].message.content == "Answer: 8"
+        assert len(session.trajectories(task={}, env="agent")) == 1
