@@ -107,7 +107,7 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
         metrics = result.metrics
         step += 1
         metrics |= await sync_weights(parts.engine, parts.trainer)
-        metrics |= extra() | batch_metrics(batch, parts.trainer.policy_version)
+        metrics |= extra() | batch_metrics(batch)
         metrics["time/step_s"] = time.perf_counter() - started
         if attempt.restarts:
             metrics["run/restarts"] = float(attempt.restarts)

@@ -191,16 +191,9 @@ def rollout_manager(config: RunConfig, parts: Parts, tasks: Iterable[Task]) -> R
     )
 
 
-def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, float]:
-    """Reward and staleness statistics of the batch just trained on."""
+def batch_metrics(batch: Sequence[Group]) -> dict[str, float]:
+    """Reward statistics of the batch just trained on (its staleness is the trainer's `staleness/*`)."""
     rewards = [t.reward for g in batch for t in g.trajectories]
-    stale = [
-        trainer_version - 1 - v
-        for g in batch
-        for t in g.trajectories
-        for v, m in zip(t.versions, t.loss_mask, strict=True)
-        if m
-    ]
     out = {
         "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
         "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
@@ -209,9 +202,6 @@ def batch_metrics(batch: Sequence[Group], trainer_version: int) -> dict[str, flo
         "batch/sampled_tokens": float(sum(t.num_sampled_tokens for g in batch for t in g.trajectories)),
     }
     out.update({f"reward/mean/{env}": v for env, v in reward_by_env([t for g in batch for t in g.trajectories]).items()})
-    if stale:
-        out["staleness/mean"] = statistics.fmean(stale)
-        out["staleness/max"] = float(max(stale))
     return out
 
 

@@ -136,8 +136,8 @@ class MismatchStats:
             "off_policy/ess": ess,  # (sum w)^2 / (n sum w^2), 1 when on-policy
             "off_policy/masked_fraction": self.masked / n,
             "off_policy/is_clipped_fraction": self.clipped / n,
-            "off_policy/staleness_mean": self.staleness_sum / n,
-            "off_policy/staleness_max": self.staleness_max,
+            "staleness/mean": self.staleness_sum / n,  # the run's one staleness measure (docs/metrics.md)
+            "staleness/max": self.staleness_max,
             "off_policy/fresh_fraction": self.fresh_tokens / n,
         }
         if self.fresh_tokens:

@@ -126,7 +126,7 @@ def test_rewards_break_down_by_member_only_for_mixtures() -> None:
     mixed = [traj("lake", 1.0, True), traj("lake", 0.0, True), traj("calculator", 1.0, True)]
     assert reward_by_env(mixed) == {"calculator": 1.0, "lake": 0.5}
     assert reward_by_env([traj("gym_text", 1.0, False)]) == {}
-    metrics = batch_metrics([Group("t", mixed)], trainer_version=1)
+    metrics = batch_metrics([Group("t", mixed)])
     assert metrics["reward/mean/lake"] == 0.5 and metrics["reward/mean/calculator"] == 1.0
     result = EvalResult(reward_mean=2 / 3, pass_at={1: 2 / 3}, n_tasks=3, n_samples=1, errors=0, trajectories=mixed)
     assert result.metrics()["eval/lake/reward_mean"] == 0.5

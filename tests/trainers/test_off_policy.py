@@ -100,8 +100,8 @@ def test_mismatch_stats_by_hand() -> None:
     ws = [1.0, 2.0, 0.5]
     assert m["off_policy/ess"] == pytest.approx(sum(ws) ** 2 / (3 * sum(x * x for x in ws)))
     assert m["off_policy/is_clipped_fraction"] == pytest.approx(1 / 3)
-    assert m["off_policy/staleness_mean"] == pytest.approx((1 + 3 + 2) / 3)
-    assert m["off_policy/staleness_max"] == 3.0
+    assert m["staleness/mean"] == pytest.approx((1 + 3 + 2) / 3)
+    assert m["staleness/max"] == 3.0
     assert "off_policy/fresh_mismatch_kl" not in m and m["off_policy/fresh_fraction"] == 0.0  # no token of version 4
     # trainer at version 2: only the third token (dlogp = log 0.5) is fresh; its k3 alone is the fresh mismatch
     fresh = MismatchStats()

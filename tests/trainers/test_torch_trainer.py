@@ -32,14 +32,14 @@ def test_train_step_updates_weights_and_reports_metrics(tiny_llama_path: str, bu
     assert t.policy_version == 1 and m["policy_version"] == 1.0
     for key in ("loss", "pg_loss", "entropy", "clip_fraction", "grad_norm", "lr", "off_policy/mismatch_kl",
                 "off_policy/max_abs_dlogp", "off_policy/ess", "off_policy/masked_fraction",
-                "off_policy/staleness_mean", "pack/padding_fraction", "pack/micro_batches", "time/train_step_s"):  # fmt: skip
+                "staleness/mean", "pack/padding_fraction", "pack/micro_batches", "time/train_step_s"):  # fmt: skip
         assert key in m and math.isfinite(m[key]), key
     assert m["pack/micro_batches"] > 1  # 64-token budget splits the batch
     assert m["pack/padding_fraction"] == 0.0
     changed = sum(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
     assert changed > 0
     m2 = t.train_step(build.groups(2, 2, seed=1, version=0)).metrics
-    assert m2["off_policy/staleness_mean"] == 1.0  # tokens from version 0, trainer now at 1
+    assert m2["staleness/mean"] == 1.0  # tokens from version 0, trainer now at 1
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
