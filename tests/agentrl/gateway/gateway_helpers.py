@@ -9,6 +9,9 @@ import operator
 import re
 from typing import Any
 
+from agentrl.chat import Budgets
+from agentrl.gateway import Backend, TrainerSampling
+from agentrl.tool_parsers import HermesParser
 from agentrl.types import Trajectory
 
 TOOLS = [{
@@ -126,3 +129,10 @@ class RecordingEngine:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+def make_backend(engine: Any, tokenizer: Any, **kw: Any) -> Backend:
+    """A gateway backend over `engine` with the tests' budgets and the trainer's sampling (temperature 1)."""
+    budgets = kw.pop("budgets", Budgets(max_turns=8, max_total_tokens=4096, max_new_tokens_per_turn=96))
+    return Backend(engine=engine, tokenizer=tokenizer, parser=HermesParser(),
+                   sampling=kw.pop("sampling", TrainerSampling(temperature=1.0)), budgets=budgets, **kw)

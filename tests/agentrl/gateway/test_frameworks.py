@@ -8,8 +8,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import make_backend
-from gateway_helpers import SYSTEM, RecordingEngine, assert_token_exact, calc
+from gateway_helpers import SYSTEM, RecordingEngine, assert_token_exact, calc, make_backend
 
 from agentrl.gateway import Gateway, GatewayConfig
 

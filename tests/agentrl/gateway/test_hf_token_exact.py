@@ -8,8 +8,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import make_backend
-from gateway_helpers import assert_token_exact
+from gateway_helpers import assert_token_exact, make_backend
 
 from agentrl.chat import Budgets, HFChatTokenizer
 from agentrl.gateway import Gateway, GatewayConfig

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from gateway_helpers import TOOLS, assert_token_exact, openai_agent
+from gateway_helpers import TOOLS, assert_token_exact, make_backend, openai_agent
 from pydantic import ValidationError
 
 from agentrl.gateway import Gateway, GatewayConfig
@@ -67,7 +67,6 @@ def test_other_addresses_need_a_token() -> None:
 
 
 async def test_token_guards_sessions(scripted: Any, chat_tokenizer: Any) -> None:
-    from conftest import make_backend
 
     token = "admin-token-0123456789"
     async with Gateway(GatewayConfig(token=token), make_backend(scripted, chat_tokenizer)) as gw, aiohttp.ClientSession() as http:
@@ -124,7 +123,6 @@ async def test_rewritten_history_branches_and_extension_keeps_sampled_ids(gatewa
 
 
 async def test_budget_exhaustion_is_a_4xx_that_marks_the_session_truncated(scripted: Any, chat_tokenizer: Any) -> None:
-    from conftest import make_backend
 
     from agentrl.chat import Budgets
 
