@@ -14,18 +14,14 @@ written to docs/replay-{overview,list,conversation,tokens,group}.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
-from agentrl.replay.server import serve, settings_for_bind
+from agentrl.replay.server import serve_in_thread
 from agentrl.store import resolve_store_path, upgrade_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,31 +52,6 @@ def train(out_dir: Path) -> Path:
     }
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return out_dir / "calculator"
-
-
-@contextmanager
-def replay_server(store: Path) -> Iterator[str]:
-    """`agentrl replay` over STORE in a thread, on a free loopback port; yields its URL."""
-    settings = settings_for_bind(store, "127.0.0.1", 0)
-    loop, stop, ready = asyncio.new_event_loop(), asyncio.Event(), threading.Event()
-    urls: list[str] = []
-
-    def on_ready(url: str) -> None:
-        urls.append(url.rstrip("/"))
-        ready.set()
-
-    thread = threading.Thread(
-        target=lambda: loop.run_until_complete(serve(settings, "127.0.0.1", 0, on_ready=on_ready, stop=stop)),
-        daemon=True,
-    )
-    thread.start()
-    try:
-        if not ready.wait(60):
-            raise RuntimeError("the replay server did not start")
-        yield urls[0]
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
 
 
 def pick(run: Path) -> tuple[str, str, int]:
@@ -115,7 +86,7 @@ def screenshots(run: Path, docs: Path = DOCS) -> list[Path]:
         print("wrote", path, flush=True)
         out.append(path)
 
-    with replay_server(resolve_store_path(run)) as url, sync_playwright() as p:
+    with serve_in_thread(resolve_store_path(run)) as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_context(viewport=VIEWPORT).new_page()
 

@@ -23,7 +23,9 @@ import importlib.resources
 import ipaddress
 import json
 import secrets
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -375,3 +377,36 @@ async def serve(
         await (stop or asyncio.Event()).wait()
     finally:
         await runner.cleanup()
+
+
+@contextmanager
+def serve_in_thread(store_path: Path, *, start_timeout_s: float = 60.0) -> Iterator[str]:
+    """`agentrl replay` over STORE_PATH on a free loopback port, in a background thread; yields its URL.
+
+    For scripts and tests that drive the real server from synchronous code (a browser, screenshots).
+    The server stops and its thread is joined when the block ends.
+    """
+    settings = settings_for_bind(store_path, "127.0.0.1", 0)
+    loop, stop, ready = asyncio.new_event_loop(), asyncio.Event(), threading.Event()
+    urls: list[str] = []
+
+    def on_ready(url: str) -> None:
+        urls.append(url.rstrip("/"))
+        ready.set()
+
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(serve(settings, "127.0.0.1", 0, on_ready=on_ready, stop=stop)),
+        name="agentrl-replay",
+        daemon=True,
+    )
+    thread.start()
+    try:
+        if not ready.wait(start_timeout_s):
+            raise RuntimeError(
+                f"the replay server over {store_path} did not start within {start_timeout_s:g}s"
+            )
+        yield urls[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()

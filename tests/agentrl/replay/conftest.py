@@ -16,12 +16,10 @@ on examples/calculator.yaml), trained once per session.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -30,7 +28,7 @@ from typing import Any
 import pytest
 
 from agentrl.chat import SimpleChatTokenizer
-from agentrl.replay.server import serve, settings_for_bind
+from agentrl.replay.server import serve_in_thread
 from agentrl.replay.synthetic import fill_store
 from agentrl.store import TrajectoryStore
 from agentrl.types import EpisodeError, ErrorClass, Group, Message, ToolCall, Trajectory
@@ -146,36 +144,10 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
         "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
 
 
-@contextlib.contextmanager
-def running_server(store: Path) -> Iterator[str]:
-    """The real server (as `agentrl replay` runs it) in a thread; yields its URL."""
-    settings = settings_for_bind(store, "127.0.0.1", 0)
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    ready = threading.Event()
-    urls: list[str] = []
-
-    def on_ready(url: str) -> None:
-        urls.append(url)
-        ready.set()
-
-    thread = threading.Thread(
-        target=lambda: loop.run_until_complete(serve(settings, "127.0.0.1", 0, on_ready=on_ready, stop=stop)),
-        daemon=True,
-    )
-    thread.start()
-    try:
-        assert ready.wait(30), "server did not start"
-        yield urls[0].rstrip("/")
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-
-
 @pytest.fixture(scope="session")
 def serve_store() -> Callable[[Path], AbstractContextManager[str]]:
     """`with serve_store(path) as url:` the replay server over a store, in a thread."""
-    return running_server
+    return serve_in_thread
 
 
 @pytest.fixture(scope="module")
