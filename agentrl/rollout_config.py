@@ -30,6 +30,7 @@ def _default_error_policy() -> dict[ErrorClass, FailurePolicy]:
         ErrorClass.SANDBOX: FailurePolicy.RETRY,
         ErrorClass.ENGINE: FailurePolicy.RETRY,
         ErrorClass.REWARD: FailurePolicy.RETRY,
+        ErrorClass.AGENT: FailurePolicy.RETRY,
     }
 
 

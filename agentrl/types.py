@@ -40,6 +40,7 @@ class ErrorClass(enum.StrEnum):
     FORMAT = "format"
     TIMEOUT = "timeout"
     REWARD = "reward"
+    AGENT = "agent"  # a remote agent (env agent, mode remote) never claimed the episode in time
 
 
 @dataclass(slots=True)

@@ -1,13 +1,22 @@
 """`agent`: train agent code written against the OpenAI API, unmodified but for its base URL.
 
     env: {name: agent, agent: "my_pkg.my_agent:solve", tasks: tasks.jsonl}
+    env: {name: agent, mode: remote, tasks: tasks.jsonl, gateway: {port: 8400}}
 
-For every episode the rollout manager calls the user's ``async def
-solve(task, client)`` (an `openai.AsyncOpenAI` bound to a fresh gateway
-session) or ``async def solve(task, base_url, api_key)``. Its model calls go
-through the gateway (`agentrl.gateway`), which keeps them token-exact: one
-trajectory per branch of the conversation, the main one first. Groups,
-slots, staleness, deadlines (`rollout.episode_timeout_s`), failure classes and
+In-process mode: for every episode the rollout manager calls the user's
+``async def solve(task, client)`` (an `openai.AsyncOpenAI` bound to a fresh
+gateway session) or ``async def solve(task, base_url, api_key)``.
+
+Remote mode: the run serves one gateway (`agentrl.gateway.episodes`) and each
+episode waits there for an agent in another process or container to claim it
+(``POST /episodes``: the task, a session base URL and key), make its calls,
+post its reward and close it. No claim within `claim_timeout_s` fails the
+episode with class `agent`; no close within `rollout.episode_timeout_s` after
+the claim fails it with class `timeout`.
+
+Either way the model calls go through the gateway (`agentrl.gateway`), which
+keeps them token-exact: one trajectory per branch of the conversation, the
+main one first. Groups, slots, staleness, deadlines, failure classes and
 cancellation apply as for any env.
 
 The reward, first found wins: what `solve` returns (a number, a
@@ -29,14 +38,16 @@ import json
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from agentrl.chat import Budgets, ChatTokenizer
 from agentrl.engines.base import InferenceEngine
 from agentrl.env import Env, EnvConfig, StepResult, Task
 from agentrl.gateway import Backend, Gateway, GatewayConfig, Session, TrainerSampling
+from agentrl.gateway.episodes import RemoteAgents
+from agentrl.resources import RunResources
 from agentrl.rewards import RewardResult
 from agentrl.rollout_config import RolloutConfig
 from agentrl.rollout_episode import classify
@@ -58,7 +69,18 @@ class TasksFromEnv(EnvConfig):
 class AgentEnvConfig(EnvConfig):
     """Config of the `agent` env."""
 
-    agent: str = Field(..., description='the agent: "pkg.module:solve" or "path/to/file.py:solve"')
+    mode: Literal["in_process", "remote"] = Field(
+        default="in_process",
+        description="in_process: the run calls `agent` per episode; remote: agents in other processes or "
+        "containers claim the episodes from the run's gateway (POST /episodes)",
+    )
+    agent: str | None = Field(
+        default=None, description='the agent (in_process mode): "pkg.module:solve" or "path/to/file.py:solve"'
+    )
+    claim_timeout_s: float = Field(
+        default=300.0, gt=0, description="remote mode: seconds an episode waits for an agent to claim it (then "
+        "it fails with class `agent`); rollout.episode_timeout_s counts from the claim",
+    )
     tasks: list[dict[str, JSON]] | str | TasksFromEnv = Field(
         ..., description="tasks: a list of dicts, a .jsonl/.json file, or {env, params} to borrow an env's splits"
     )
@@ -73,10 +95,20 @@ class AgentEnvConfig(EnvConfig):
 
     @field_validator("agent")
     @classmethod
-    def _agent_form(cls, value: str) -> str:
-        if ":" not in value or not value.rsplit(":", 1)[1].isidentifier():
+    def _agent_form(cls, value: str | None) -> str | None:
+        if value is not None and (":" not in value or not value.rsplit(":", 1)[1].isidentifier()):
             raise ValueError(f"agent={value!r}: write it as 'pkg.module:function' or 'path/file.py:function'")
         return value
+
+    @model_validator(mode="after")
+    def _agent_per_mode(self) -> AgentEnvConfig:
+        if self.mode == "in_process" and self.agent is None:
+            raise ValueError("agent: required in mode in_process ('pkg.module:solve' or 'path/file.py:solve'); "
+                             "set mode: remote for agents that claim episodes over HTTP")
+        if self.mode == "remote" and self.agent is not None:
+            raise ValueError(f"agent={self.agent!r}: remote mode runs no agent code in the run; drop it, "
+                             "or use mode: in_process")
+        return self
 
 
 def load_agent(spec: str) -> Solve:
@@ -132,19 +164,35 @@ class AgentEnv(Env):
     Config = AgentEnvConfig
     config: AgentEnvConfig
 
-    def __init__(self, config: AgentEnvConfig | None = None, *, plugins: Any = None) -> None:
+    def __init__(
+        self, config: AgentEnvConfig | None = None, *, plugins: Any = None, resources: RunResources | None = None
+    ) -> None:
         super().__init__(config)
         self.plugins = plugins
+        self._owned = resources is None  # built outside a run: its remote gateway is its own, closed with it
+        self.resources = resources if resources is not None else RunResources()
         self._solve: Solve | None = None
         self._rewards: list[NamedReward] | None = None
 
     async def close(self) -> None:
-        """Close the reward plugins this env built (verifier worker pools)."""
+        """Close the reward plugins this env built (verifier worker pools), and its own resources if it owns them.
+
+        The remote gateway of a run outlives its envs (one per episode): the run's resources close it.
+        """
         rewards, self._rewards = self._rewards or [], None
-        for _, _, reward in rewards:
-            close = getattr(reward, "close", None)
-            if close is not None:
-                await close()
+        try:
+            for _, _, reward in rewards:
+                close = getattr(reward, "close", None)
+                if close is not None:
+                    await close()
+        finally:
+            if self._owned:
+                await self.resources.aclose()
+
+    def remote_agents(self) -> RemoteAgents:
+        """The run's gateway for remote agents (one per gateway config, shared by the run's envs)."""
+        key = "agent-gateway:" + self.config.gateway.model_dump_json()
+        return self.resources.get(key, lambda: RemoteAgents(self.config.gateway))
 
     def tasks(self, split: str = "train") -> Iterable[Task]:
         source = self.config.tasks
@@ -178,22 +226,13 @@ class AgentEnv(Env):
     async def drive_episode(
         self, task: Task, engine: Any, tokenizer: Any, config: Any, *, seed: int | None, group_id: str, sample_index: int
     ) -> list[Trajectory]:
-        """Serve one session, run `solve` in it, and turn its calls into trajectories."""
-        self._solve = self._solve or load_agent(self.config.agent)
-        async with Gateway(self.config.gateway, self.backend(engine, tokenizer, config)) as gateway:
-            session = gateway.open_session()
-            error: EpisodeError | None = None
-            value: Any = None
-            try:
-                async with asyncio.timeout(config.episode_timeout_s):
-                    value = await self._call_solve(task, gateway, session)
-            except TimeoutError:
-                error = EpisodeError(ErrorClass.TIMEOUT, f"episode exceeded episode_timeout_s={config.episode_timeout_s}")
-            except Exception as e:
-                if session.truncation_reason is None:  # a spent budget ends the episode truncated, not failed
-                    error = EpisodeError(_agent_error_class(e), f"the agent failed: {type(e).__name__}: {e}")
-            finally:
-                gateway.close_session(session)
+        """Serve one session, let the agent (in process, or a remote one) run in it, and turn its calls into
+        trajectories."""
+        backend = self.backend(engine, tokenizer, config)
+        if self.config.mode == "remote":
+            session, error, value = await self._drive_remote(task, backend, config.episode_timeout_s)
+        else:
+            session, error, value = await self._drive_in_process(task, backend, config.episode_timeout_s)
         result: RewardResult | None = None
         if error is None:
             try:
@@ -207,13 +246,69 @@ class AgentEnv(Env):
             trajs = [Trajectory(task_id=str(task.get("id", "")), env=self.name, messages=[], token_ids=[], loss_mask=[],
                                 logprobs=[], versions=[], group_id=group_id, sample_index=sample_index, task=dict(task))]
             why = f" ({error.kind.value}: {error.message})" if error is not None else ""
-            error = EpisodeError(ErrorClass.ENV, f"the agent made no model call{why}")
+            kind = ErrorClass.AGENT if error is not None and error.kind is ErrorClass.AGENT else ErrorClass.ENV
+            error = EpisodeError(kind, f"the agent made no model call{why}")
         for traj in trajs:
             traj.seed = seed
             if error is not None:
                 traj.error = EpisodeError(error.kind, error.message, turn=len(traj.turns))
                 traj.terminated = False
         return trajs
+
+    async def _drive_in_process(
+        self, task: Task, backend: Backend, timeout_s: float
+    ) -> tuple[Session, EpisodeError | None, Any]:
+        """Run `solve` against a gateway of its own: (the session, the episode's error, what solve returned)."""
+        assert self.config.agent is not None  # the config's validator: in_process mode names an agent
+        self._solve = self._solve or load_agent(self.config.agent)
+        async with Gateway(self.config.gateway, backend) as gateway:
+            session = gateway.open_session()
+            error: EpisodeError | None = None
+            value: Any = None
+            try:
+                async with asyncio.timeout(timeout_s):
+                    value = await self._call_solve(task, gateway, session)
+            except TimeoutError:
+                error = EpisodeError(ErrorClass.TIMEOUT, f"episode exceeded episode_timeout_s={timeout_s}")
+            except Exception as e:
+                if session.truncation_reason is None:  # a spent budget ends the episode truncated, not failed
+                    error = EpisodeError(_agent_error_class(e), f"the agent failed: {type(e).__name__}: {e}")
+            finally:
+                gateway.close_session(session)
+        return session, error, value
+
+    async def _drive_remote(
+        self, task: Task, backend: Backend, timeout_s: float
+    ) -> tuple[Session, EpisodeError | None, Any]:
+        """Offer the episode on the run's gateway; wait for a remote agent to claim it, then to close it."""
+        hub = self.remote_agents()
+        gateway = await hub.start(backend)
+        session = gateway.open_session(backend=backend)
+        session.task = dict(task)
+        offer = hub.board.offer(session, dict(task))
+        error: EpisodeError | None = None
+        try:
+            try:
+                async with asyncio.timeout(self.config.claim_timeout_s):
+                    await offer.claimed.wait()
+            except TimeoutError:
+                error = EpisodeError(ErrorClass.AGENT, f"no remote agent claimed the episode within "
+                                     f"env.claim_timeout_s={self.config.claim_timeout_s:g}s (agents claim episodes "
+                                     f"with POST {gateway.url}/episodes; {hub.board.waiting} unclaimed now)")
+                return session, error, None
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await offer.ended.wait()
+            except TimeoutError:
+                error = EpisodeError(ErrorClass.TIMEOUT, f"the remote agent did not close the episode within "
+                                     f"rollout.episode_timeout_s={timeout_s:g}s of claiming it")
+            if error is None and session.agent_error and session.truncation_reason is None:
+                error = EpisodeError(ErrorClass.ENV, f"the remote agent gave up: {session.agent_error}")
+        finally:
+            hub.board.withdraw(offer)
+            if not session.closed:  # cancelled or timed out: the agent's next call gets a 409
+                gateway.close_session(session)
+        return session, error, None
 
     async def _call_solve(self, task: Task, gateway: Gateway, session: Session) -> Any:
         assert self._solve is not None

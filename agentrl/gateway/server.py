@@ -4,6 +4,7 @@ Routes (each `/v1/...` also under `/s/{session}/v1/...`):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``;
 - ``POST /sessions`` opens a session (its id, key and base URL back);
+- ``POST /episodes`` claims an episode a training run offers (remote mode, `agentrl.gateway.episodes`);
 - ``POST /s/{session}/reward`` sets the episode's (or one turn's) reward;
 - ``POST /s/{session}/close`` ends it (later calls get 409);
 - ``GET /health``.
@@ -21,7 +22,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -38,8 +39,13 @@ from agentrl.gateway.protocol import (
 )
 from agentrl.gateway.session import Backend, Session
 
+if TYPE_CHECKING:
+    from agentrl.gateway.episodes import EpisodeBoard
+
 log = logging.getLogger(__name__)
 ENDED_KEPT = 100_000  # ended session ids remembered, so late calls get 409 rather than 404
+CLAIM_WAIT_S = 30.0  # how long POST /episodes waits for an episode by default (the agent may ask up to MAX)
+MAX_CLAIM_WAIT_S = 120.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CloseHook = Callable[[Session], Awaitable[dict[str, Any]]]
@@ -69,12 +75,19 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 class Gateway:
-    """Sessions over one `Backend`, served over HTTP. An async context manager (starts and stops the server)."""
+    """Sessions over one `Backend`, served over HTTP. An async context manager (starts and stops the server).
 
-    def __init__(self, config: GatewayConfig, backend: Backend, *, on_close: CloseHook | None = None) -> None:
+    With `episodes` (a training run in remote mode) agents claim the run's episodes with
+    ``POST /episodes`` and cannot open sessions of their own; without it they open them
+    with ``POST /sessions``. A session may carry its own backend (a run's eval sampling).
+    """
+
+    def __init__(self, config: GatewayConfig, backend: Backend, *, on_close: CloseHook | None = None,
+                 episodes: EpisodeBoard | None = None) -> None:
         self.config = config
         self.backend = backend
         self.on_close = on_close
+        self.episodes = episodes
         self.sessions: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
@@ -84,12 +97,13 @@ class Gateway:
 
     # -- sessions (in process)
 
-    def open_session(self, id: str | None = None) -> Session:
+    def open_session(self, id: str | None = None, *, backend: Backend | None = None) -> Session:
+        """A new session (on `backend`, else the gateway's); 429 past `max_sessions`, 409 for a used id."""
         if len(self.sessions) >= self.config.max_sessions:
             raise GatewayError(429, f"{len(self.sessions)} sessions are open (gateway.max_sessions)", code="too_many_sessions")
         if id is not None and (id in self.sessions or id in self._ended):
             raise GatewayError(409, f"session {id!r} already exists", code="session_exists")
-        session = Session(self.backend, id=id)
+        session = Session(backend or self.backend, id=id)
         self.sessions[session.id] = session
         self._by_key[session.key] = session
         return session
@@ -117,6 +131,7 @@ class Gateway:
             app.router.add_post(prefix + "/v1/completions", self._completions)
             app.router.add_get(prefix + "/v1/models", self._models)
         app.router.add_post("/sessions", self._open)
+        app.router.add_post("/episodes", self._claim)
         app.router.add_post("/s/{sid}/reward", self._reward)
         app.router.add_post("/s/{sid}/close", self._close)
         app.router.add_get("/health", self._health)
@@ -207,9 +222,9 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         body = await self._json(request)
-        chat = parse_chat_request(body, self.backend.sampling)
+        chat = parse_chat_request(body, session.backend.sampling)
         result = await session.chat(chat, fingerprint(body))
-        decode = self.backend.tokenizer.decode
+        decode = session.backend.tokenizer.decode
         model = self.config.model_name
         if not chat.stream:
             return web.json_response(chat_response(result, chat, model, decode))
@@ -226,8 +241,9 @@ class Gateway:
         body = await self._json(request)
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
-        check_sampling(body, self.backend.sampling)
-        prompt = _prompt_ids(body.get("prompt"), self.backend.tokenizer.encode)
+        backend = session.backend
+        check_sampling(body, backend.sampling)
+        prompt = _prompt_ids(body.get("prompt"), backend.tokenizer.encode)
         if body.get("echo"):
             raise bad("echo is not served", "echo")
         if body.get("suffix"):
@@ -239,8 +255,8 @@ class Gateway:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         seed = body.get("seed") if isinstance(body.get("seed"), int) else None
         completion = await session.complete(prompt, max_tokens, stop, seed)
-        decode = self.backend.tokenizer.decode
-        eos = self.backend.tokenizer.eos_ids
+        decode = backend.tokenizer.decode
+        eos = backend.tokenizer.eos_ids
         ids = completion.ids
         text = decode(ids[:-1] if ids and ids[-1] in eos else ids)
         out = completion_response(completion, prompt, text, self.config.model_name, logprobs=body.get("logprobs") is not None,
@@ -256,6 +272,9 @@ class Gateway:
 
     async def _open(self, request: web.Request) -> web.Response:
         self._admin(request)
+        if self.episodes is not None:
+            raise GatewayError(403, "this gateway serves a training run: claim its episodes with POST /episodes "
+                               "(agentrl gateway CONFIG serves sessions agents open themselves)", code="episodes_only")
         body = await self._json(request)
         sid = body.get("id") if isinstance(body, dict) else None
         if sid is not None and (not isinstance(sid, str) or not sid.replace("-", "").replace("_", "").isalnum()):
@@ -266,6 +285,27 @@ class Gateway:
         session = self.open_session(sid)
         session.task = task
         return web.json_response({"id": session.id, "api_key": session.key, "base_url": self.base_url(session)})
+
+    async def _claim(self, request: web.Request) -> web.Response:
+        """Hand the oldest offered episode to this agent: its task, session id, key and base URL (204: none came)."""
+        self._admin(request)
+        if self.episodes is None:
+            raise GatewayError(404, "this gateway hands out no episodes (only `agentrl train` with env.mode=remote "
+                               "does); open a session with POST /sessions", code="no_episodes")
+        body = await self._json(request)
+        wait = body.get("wait_s", CLAIM_WAIT_S) if isinstance(body, dict) else None
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_CLAIM_WAIT_S:
+            raise bad(f"wait_s must be a number of seconds in [0, {MAX_CLAIM_WAIT_S:g}], got {wait!r}", "wait_s")
+        if self.episodes.closed:
+            raise GatewayError(410, "the run is over: no more episodes", code="run_ended")
+        offer = await self.episodes.claim(float(wait))
+        if offer is None:
+            if self.episodes.closed:
+                raise GatewayError(410, "the run is over: no more episodes", code="run_ended")
+            return web.Response(status=204)
+        session = offer.session
+        return web.json_response({"id": session.id, "api_key": session.key, "base_url": self.base_url(session),
+                                  "session_url": f"{self.url}/s/{session.id}", "task": offer.task})
 
     async def _reward(self, request: web.Request) -> web.Response:
         session = self._session(request)
@@ -287,6 +327,11 @@ class Gateway:
         session = self._session(request)
         if session.closed:
             raise GatewayError(409, f"session {session.id!r} has ended", code="session_closed")
+        body = await self._json(request)
+        error = body.get("error") if isinstance(body, dict) else None
+        if error is not None and not isinstance(error, str):
+            raise bad("error must be a string: why the agent gave up on the episode", "error")
+        session.agent_error = error or None
         self.close_session(session)
         summary: dict[str, Any] = {"id": session.id, "calls": session.calls,
                                    "branches": len(session.branches) + len(session.token_branches)}

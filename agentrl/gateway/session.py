@@ -134,6 +134,7 @@ class Session:
         self.last_branch: Branch | TokenBranch | None = None
         self.closed = False
         self.truncation_reason: str | None = None
+        self.agent_error: str | None = None  # why a remote agent gave up (POST /s/{id}/close {"error": ...})
         self.reward: float | None = None
         self.breakdown: dict[str, float] = {}
         self.turn_rewards: dict[int, float] = {}
