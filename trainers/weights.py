@@ -11,6 +11,7 @@ so an engine loads them like any full checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,14 +42,28 @@ class NamedTensorBuckets:
         self.sent_buckets = 0
 
     def buckets(self) -> Iterator[Sequence[tuple[str, torch.Tensor]]]:
+        yield from self._grouped(copy=True)
+
+    def raw_buckets(self, dtype: torch.dtype | None = None) -> Iterator[Sequence[tuple[str, torch.Tensor]]]:
+        """The same buckets (sized for `dtype`, default this source's) of the trainer's own tensors, not copied.
+
+        For a sender that copies each tensor straight into its wire buffer
+        (`agentrl.trainers.weight_broadcast`): one bucket of extra memory
+        instead of two. The tensors are only valid until the trainer's next step.
+        """
+        yield from self._grouped(copy=False, dtype=dtype or self.dtype)
+
+    def _grouped(self, *, copy: bool, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in self._named_tensors():
             t = tensor.detach()
-            if self.dtype is not None and t.is_floating_point():
-                t = t.to(self.dtype)
-            t = t.to(self.device, copy=True).contiguous()
-            nbytes = t.numel() * t.element_size()
+            if copy:
+                if self.dtype is not None and t.is_floating_point():
+                    t = t.to(self.dtype)
+                t = t.to(self.device, copy=True).contiguous()
+            item = t.element_size() if copy or dtype is None or not t.is_floating_point() else dtype.itemsize
+            nbytes = t.numel() * item
             if bucket and size + nbytes > self.bucket_bytes:
                 self.sent_bytes, self.sent_buckets = self.sent_bytes + size, self.sent_buckets + 1
                 yield bucket
@@ -61,6 +76,12 @@ class NamedTensorBuckets:
 
     def names(self) -> list[str]:
         return [n for n, _ in self._named_tensors()]
+
+    def weight_sender(self) -> Any:
+        """This process as rank 0 of a weight-transfer group (`agentrl.engines.weight_transfer.WeightSender`)."""
+        from agentrl.trainers.weight_broadcast import LocalWeightSender
+
+        return LocalWeightSender()
 
 
 def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,11 +17,22 @@ label the new weights with the version and resume:
 
 Either way the prefix cache is reset, so no later request reuses KV computed
 by old weights. vLLM is imported only when the engine is built.
+
+The weights travel by `weight_transport` (see `weight_transfer`): `shm`
+writes each bucket to /dev/shm and the workers read it back (the trainer in
+this process); `collective` has the trainer's rank 0 broadcast the buckets
+straight into vLLM's workers over a process group, through vLLM's
+weight-transfer API; `auto` picks `collective` when the trainer's rank 0 is
+another process (a `ray` trainer group). The engine forms the group at its
+first collective sync and keeps it; a sync that fails (the trainer or a worker
+died, or the group's deadline passed) raises `WeightSyncError`, and the engine
+refuses requests until a later sync, over a new group, has loaded whole weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
@@ -31,17 +42,31 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from agentrl.engines.base import BusyClock, EngineClosed, EngineHealth, Sampling, ServingConfig, WeightSource
 from agentrl.engines.models import resolve_model
 from agentrl.engines.vllm_stats import SchedulerCounters
+from agentrl.engines.weight_transfer import (
+    VLLM_BACKEND,
+    GroupSpec,
+    Transport,
+    WeightSender,
+    WeightSyncError,
+    check_transport,
+    sender_of,
+    together,
+    vllm_backend_installed,
+)
 from agentrl.types import Completion, FinishReason
 
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 # Engine args this engine sets itself: `engine_args` may not override them.
-_OWN_ARGS = frozenset({"model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls"})
+_OWN_ARGS = frozenset(
+    {"model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls", "weight_transfer_config"}
+)
+_TRANSPORTS = ("auto", "collective", "shm")
 
 
 class VLLMEngine:
@@ -76,6 +101,17 @@ class VLLMEngine:
             description="more vLLM engine arguments (AsyncEngineArgs fields, e.g. enable_prefix_caching); "
             "names are checked when the engine starts",
         )
+        weight_transport: Transport = Field(
+            default="auto",
+            description="how trainer weights reach vLLM's workers: collective (broadcast from the trainer's "
+            "rank 0 over a process group, vLLM's weight-transfer API), shm (bucket files in /dev/shm, the trainer "
+            "in this process), auto (collective when the trainer's rank 0 is another process, else shm)",
+        )
+
+        @field_validator("weight_transport")
+        @classmethod
+        def _transport(cls, value: str) -> str:
+            return check_transport(value, key="engine.weight_transport", allowed=_TRANSPORTS)
 
     def __init__(self, config: VLLMEngine.Config | None = None) -> None:
         self.config = cfg = config if config is not None else self.Config()
@@ -103,6 +139,12 @@ class VLLMEngine:
             **cfg.engine_args,
         }
         args.setdefault("disable_log_stats", True)  # vLLM's own log lines and Prometheus; engine_args may enable them
+        missing = vllm_backend_installed() if cfg.weight_transport != "shm" else None
+        if missing and cfg.weight_transport == "collective":
+            raise RuntimeError(f"engine.weight_transport=collective: {missing}")
+        self._collective_ok = missing is None and cfg.weight_transport != "shm"
+        if self._collective_ok:  # the workers build vLLM's weight-transfer engine when they load the model
+            args["weight_transfer_config"] = {"backend": VLLM_BACKEND}
         self._scheduler = SchedulerCounters()
         self._llm: Any = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
@@ -120,6 +162,8 @@ class VLLMEngine:
         self._versioned = False  # the first generate labels the weights "0"
         self._ids = itertools.count()
         self._update_lock: asyncio.Lock | None = None
+        self._sender: WeightSender | None = None  # the trainer's end of our weight-transfer group, once formed
+        self._half_loaded: str | None = None  # why the weights are unusable (a collective sync failed midway)
         self._closed = False
         self._t0 = time.monotonic()
         self._busy = BusyClock()
@@ -160,6 +204,8 @@ class VLLMEngine:
             raise EngineClosed("vllm engine is closed")
         if not prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
+        if self._half_loaded:
+            raise EngineClosed(self._half_loaded)
         from vllm.inputs import TokensPrompt
 
         if not self._versioned:
@@ -201,10 +247,13 @@ class VLLMEngine:
         """Load named tensors (HF names) into vLLM's workers in place, then serve `version`."""
         if self._closed:
             raise EngineClosed("vllm engine is closed")
-        if self._update_lock is None:
-            self._update_lock = asyncio.Lock()
         started = time.monotonic()
-        async with asyncio.timeout(self.config.update_timeout_s), self._update_lock:
+        if self.transport_for(weights) == "collective":
+            await self._collective_update(weights, version)
+            self.updates += 1
+            self.last_update_s = time.monotonic() - started
+            return
+        async with asyncio.timeout(self.config.update_timeout_s), self._lock():
             folder = Path(tempfile.mkdtemp(prefix="agentrl-weights-", dir=self._weights_dir()))
             try:
                 paths = await asyncio.to_thread(self._write_buckets, weights, folder)
@@ -223,6 +272,120 @@ class VLLMEngine:
                 shutil.rmtree(folder, ignore_errors=True)
         self.updates += 1
         self.last_update_s = time.monotonic() - started
+
+    def _lock(self) -> asyncio.Lock:
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        return self._update_lock
+
+    def transport_for(self, weights: WeightSource) -> str:
+        """The transport this engine uses for `weights` (`weight_transport`, with `auto` resolved)."""
+        chosen = self.config.weight_transport
+        if chosen == "auto":
+            sender = sender_of(weights)
+            return "collective" if self._collective_ok and sender is not None and not sender.local else "shm"
+        return chosen
+
+    # -- the collective transport: this engine's workers in the trainer's weight-transfer group -----------
+
+    def weight_workers(self) -> int:
+        """How many members this engine brings to a weight-transfer group (its vLLM workers)."""
+        pc = self._llm.vllm_config.parallel_config
+        return int(pc.world_size * pc.data_parallel_size)
+
+    def serving_dtype(self) -> str:
+        """The torch dtype name vLLM serves in (what the trainer casts its floating tensors to on the wire)."""
+        return str(self._serving_dtype()).removeprefix("torch.")
+
+    async def join_weight_group(self, init_info: dict[str, Any]) -> None:
+        """Every worker joins the group described by `init_info` (`GroupSpec.worker_init`); blocks until all are in."""
+        if not self._collective_ok:
+            raise WeightSyncError(
+                "this vllm engine was started without the collective weight transport "
+                f"(engine.weight_transport={self.config.weight_transport})"
+            )
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        async with asyncio.timeout(float(init_info["timeout_s"]) + 10):
+            await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def receive_weights(self, version: int, *, bare_bytes: int = 0) -> None:
+        """Take one broadcast from the group's rank 0 into the workers, then serve `version`.
+
+        Pauses generation per `update_mode`, runs vLLM's start / update /
+        finish weight-update calls (the update returns when rank 0 ends its
+        stream), labels the weights `version` and resets the prefix cache.
+        `bare_bytes` receives that many raw bytes and loads nothing (the
+        benchmark's baseline). A failure leaves the weights half-loaded: the
+        engine refuses requests until a later receive succeeds.
+        """
+        async with asyncio.timeout(self.config.update_timeout_s), self._lock():
+            await self._receive(version, bare_bytes)
+
+    async def _receive(self, version: int, bare_bytes: int = 0) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        keep = self.config.update_mode == "continue_new"
+        await self._llm.pause_generation(mode="keep" if keep else "wait", clear_cache=not keep)
+        try:
+            await self._llm.start_weight_update()
+            try:
+                await self._llm.update_weights(WeightTransferUpdateRequest(update_info={"bare_bytes": bare_bytes}))
+            except BaseException as e:
+                self._half_loaded = (
+                    f"vllm engine ({self.model_path}): a weight sync failed midway ({type(e).__name__}: {e}); "
+                    "it serves no requests until a later sync loads whole weights"
+                )
+                raise
+            if bare_bytes:
+                await self._llm.finish_weight_update()
+                return
+            await self._llm.finish_weight_update(str(version))
+            self._versioned = True
+            self._half_loaded = None
+            await self._llm.reset_prefix_cache(reset_running_requests=keep)  # running requests recompute (continue_new)
+            self.policy_version = version
+        finally:
+            await self._llm.resume_generation()
+
+    async def leave_weight_group(self) -> None:
+        """Drop this engine's end of the group (before a new group is formed)."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(30):
+                await self._llm.shutdown_weight_transfer_engine()
+
+    async def _collective_update(self, weights: WeightSource, version: int) -> None:
+        """The trainer's rank 0 broadcasts `weights` into this engine's workers (forming the group the first time)."""
+        timeout = self.config.update_timeout_s
+        try:
+            async with asyncio.timeout(timeout), self._lock():
+                sender = self._sender
+                if sender is None:
+                    sender = sender_of(weights)
+                    if sender is None:
+                        raise ValueError(
+                            f"engine.weight_transport=collective: the trainer's weights ({type(weights).__name__}) "
+                            "cannot be broadcast (no weight_sender()); use weight_transport=shm"
+                        )
+                    host, port = await sender.rendezvous()
+                    spec = GroupSpec(host, port, 1 + self.weight_workers(), timeout)
+                    await together(sender.connect(spec), self.join_weight_group(spec.worker_init(1)))
+                    self._sender = sender
+                await together(self._receive(version), sender.send(weights, self.serving_dtype(), timeout))
+        except BaseException as e:
+            await self._drop_group()
+            if isinstance(e, ValueError | asyncio.CancelledError):
+                raise
+            raise WeightSyncError(
+                f"vllm engine ({self.model_path}): collective weight sync to version {version} failed: "
+                f"{type(e).__name__}: {e or 'no answer within engine.update_timeout_s=' + str(timeout) + 's'}"
+            ) from e
+
+    async def _drop_group(self) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            await sender.close()
+        await self.leave_weight_group()
 
     def _weights_dir(self) -> str | None:
         if self.config.weights_dir is not None:
@@ -266,7 +429,7 @@ class VLLMEngine:
 
     async def health(self) -> EngineHealth:
         return EngineHealth(
-            ok=not self._closed and self._llm is not None and not self._llm.errored,
+            ok=not self._closed and self._llm is not None and not self._llm.errored and not self._half_loaded,
             policy_version=self.policy_version,
             in_flight=self._busy.active,
             busy_fraction=self.busy_fraction(),
@@ -275,6 +438,7 @@ class VLLMEngine:
                 "weight_updates": self.updates,
                 "last_update_s": self.last_update_s,
                 "update_mode": self.config.update_mode,
+                "weight_transport": self.config.weight_transport,
             },
         )
 
@@ -283,6 +447,9 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
+        if self._sender is not None:
+            await self._sender.close()
+            self._sender = None
         # on the loop's thread: shutdown first cancels vLLM's output task, which belongs to this loop
         self._llm.shutdown()
         self._llm = None  # dropped now, not at interpreter exit (where its __del__ fails noisily)

@@ -1,0 +1,193 @@
+"""The wire of a weight-transfer group: how it is formed, and how one bucket crosses it.
+
+Both ends use it: the trainer's rank 0 (`agentrl.trainers.weight_broadcast`)
+and every vLLM worker (`weight_transfer_gloo`). The group is a torch
+process group made outside torch.distributed's global state (a TCPStore that
+rank 0 hosts, and a gloo or nccl group over it), so it coexists with the
+trainer's own group and with vLLM's.
+
+A bucket travels as three broadcasts from rank 0: a header (two int64: the
+length of the metadata and of the payload; 0, 0 ends the stream), the
+metadata (JSON: name, dtype, shape and byte offset of each tensor) and the
+payload (every tensor's bytes, packed into one uint8 buffer at 16-byte aligned
+offsets). The stream describes itself, so the sender can produce buckets
+lazily (ZeRO-3 and FSDP gather each one just before it is sent) and the
+receivers need nothing from the driver but "receive now".
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ALIGN = 16
+
+
+def local_address(toward: str, port: int) -> str:
+    """This host's address on the route to `toward` (the address a peer there can reach us at)."""
+    if toward in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((toward, port))  # no packet is sent: this only picks the route
+        return str(s.getsockname()[0])
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the rendezvous of a new group)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def open_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
+) -> tuple[Any, Any]:
+    """Join the group meeting at host:port as `rank` (rank 0 hosts the store); returns (store, group).
+
+    Blocks until all `world_size` members are in, or `timeout_s` passes.
+    Every later collective of the group fails after `timeout_s` too.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    # TCPStore, PrefixStore and the groups' options are public torch API that torch's stubs do not re-export
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+    prefix = dist.PrefixStore(f"agentrl-weights-{port}", store)  # type: ignore[attr-defined]
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host, port))]
+        group: Any = dist.ProcessGroupGloo(prefix, rank, world_size, opts)
+    elif backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefix, rank, world_size, nccl_opts)
+    else:
+        raise ValueError(f"weight-transfer group backend={backend!r}: use gloo or nccl")
+    # the first collective completes the rendezvous: every member is in once it returns
+    _broadcast(group, torch.zeros(1, dtype=torch.int64, device=_device(backend)), timeout_s)
+    return store, group
+
+
+def _device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _broadcast(group: Any, tensor: torch.Tensor, timeout_s: float, *, wait: bool = True) -> Any:
+    """Broadcast `tensor` from rank 0 within `timeout_s`; with wait=False the pending work is returned."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    work = group.broadcast([tensor], opts)
+    if wait:
+        work.wait()
+    return work
+
+
+def packed_size(bucket: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> int:
+    """Bytes the bucket takes packed (floating tensors cast to `dtype`)."""
+    size = 0
+    for _, t in bucket:
+        item = torch.empty((), dtype=_wire_dtype(t, dtype)).element_size()
+        size = _aligned(size) + t.numel() * item
+    return size
+
+
+def pack(
+    bucket: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None, device: torch.device
+) -> tuple[list[list[Any]], torch.Tensor]:
+    """The bucket's metadata and its tensors copied (and cast) into one uint8 buffer on `device`.
+
+    Each tensor is copied straight into its slot: one buffer is the whole
+    extra memory of a bucket on the sender.
+    """
+    buf = torch.empty(packed_size(bucket, dtype), dtype=torch.uint8, device=device)
+    meta: list[list[Any]] = []
+    offset = 0
+    for name, t in bucket:
+        wire = _wire_dtype(t, dtype)
+        offset = _aligned(offset)
+        nbytes = t.numel() * torch.empty((), dtype=wire).element_size()
+        buf[offset : offset + nbytes].view(wire).view(t.shape).copy_(t.detach())
+        meta.append([name, str(wire).removeprefix("torch."), list(t.shape), offset])
+        offset += nbytes
+    return meta, buf
+
+
+class InFlight:
+    """A bucket's broadcasts, issued and not yet waited for (it keeps their buffers alive until then)."""
+
+    def __init__(self, works: list[Any], buffers: list[torch.Tensor]) -> None:
+        self._works, self._buffers = works, buffers
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works, self._buffers = [], []
+
+
+def send_bucket(group: Any, meta: list[list[Any]], payload: torch.Tensor, timeout_s: float) -> InFlight:
+    """Start broadcasting one packed bucket from rank 0 (header, metadata, payload); wait on the result.
+
+    The group runs its operations in order, so the next bucket can be packed
+    while this one is on the wire.
+    """
+    encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(payload.device)
+    header = torch.tensor([encoded.numel(), payload.numel()], dtype=torch.int64, device=payload.device)
+    works = [_broadcast(group, t, timeout_s, wait=False) for t in (header, encoded, payload)]
+    return InFlight(works, [header, encoded, payload])
+
+
+def send_end(group: Any, device: torch.device, timeout_s: float) -> None:
+    """Tell the receivers the stream is over."""
+    _broadcast(group, torch.zeros(2, dtype=torch.int64, device=device), timeout_s)
+
+
+def send_raw(group: Any, payload: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast bare bytes (no header): the baseline a benchmark compares a sync against."""
+    _broadcast(group, payload, timeout_s)
+
+
+def receive_buckets(group: Any, device: torch.device, timeout_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The buckets rank 0 broadcasts, until it ends the stream; tensors are views of one buffer per bucket."""
+    while True:
+        header = torch.zeros(2, dtype=torch.int64, device=device)
+        _broadcast(group, header, timeout_s)
+        meta_len, payload_len = (int(x) for x in header.tolist())
+        if meta_len == 0:
+            return
+        encoded = torch.empty(meta_len, dtype=torch.uint8, device=device)
+        _broadcast(group, encoded, timeout_s)
+        payload = torch.empty(payload_len, dtype=torch.uint8, device=device)
+        _broadcast(group, payload, timeout_s)
+        meta = json.loads(encoded.cpu().numpy().tobytes().decode())
+        bucket = []
+        for name, dtype_name, shape, offset in meta:
+            dtype = getattr(torch, dtype_name)
+            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            bucket.append((name, payload[offset : offset + nbytes].view(dtype).view(shape)))
+        yield bucket
+
+
+def receive_raw(group: Any, nbytes: int, device: torch.device, timeout_s: float) -> None:
+    """The receiving side of `send_raw`."""
+    _broadcast(group, torch.empty(nbytes, dtype=torch.uint8, device=device), timeout_s)
+
+
+def _wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def _aligned(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
