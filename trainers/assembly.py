@@ -4,7 +4,9 @@
 frozen reference (KL only; under LoRA the base with adapters off serves as
 the reference), and the critic (GAE only), then wraps them for the parallel
 layout: DDP, FSDP (parameters sharded over every process) and/or sequence
-parallelism (ring attention over an SP group, data parallel across groups).
+parallelism (ring attention over an SP group, data parallel across groups),
+or DeepSpeed ZeRO-2/3 (`deepspeed_backend`: the policy in a DeepSpeed engine
+with its optimizer; under ZeRO-3 the KL reference partitioned too).
 
 The result, `Models`, answers the two questions the step asks of a model:
 per-token logprobs of a packed micro-batch (`logprobs`) and the autocast
@@ -35,6 +37,7 @@ from agentrl.trainers.packing import PackedBatch, use_packed_attention
 
 if TYPE_CHECKING:
     from agentrl.trainers.critic import Critic
+    from agentrl.trainers.deepspeed_backend import ZeroEngine
     from agentrl.trainers.sequence_parallel import SPGroups
 
 
@@ -55,11 +58,13 @@ class Models:
     world: World  # data parallel: the ranks that split each batch
     processes: World  # every process (SP ranks included)
     fsdp: bool  # parameters sharded over `processes`
+    zero: ZeroEngine | None  # data_parallel=deepspeed: the policy's DeepSpeed engine (with its optimizer)
+    collective: bool  # every forward and every read of the weights is a collective (FSDP, ZeRO-3)
     grad_scale: int  # a loss is multiplied by this so that the gradient reduction (a mean) gives the sum
     pad_id: int
     autocast_dtype: torch.dtype | None
-    policy_root: nn.Module  # the policy's logprob module a forward runs through (DDP/FSDP/SP-wrapped)
-    reference_root: nn.Module | None  # the reference's, when sharded under FSDP; else it is called directly
+    policy_root: nn.Module  # the policy's logprob module a forward runs through (DDP/FSDP/SP/DeepSpeed-wrapped)
+    reference_root: nn.Module | None  # the reference's, when sharded (FSDP, ZeRO-3); else it is called directly
 
     def logprobs(
         self, model: nn.Module, b: PackedBatch, *, with_entropy: bool = False
@@ -108,6 +113,12 @@ def build_models(config: TrainerConfig, model_path: str, device: str, world: Wor
         raise TrainerConfigError(
             f"trainer.device={device}: torch sees no CUDA device here (torch.cuda.is_available() is False)"
         )
+    zero = config.zero
+    if zero is not None:  # before the world is read: DeepSpeed needs a process group, if only of one rank
+        from agentrl.trainers.deepspeed_backend import ensure_process_group, require_deepspeed
+
+        require_deepspeed()
+        ensure_process_group(device)
     sp_groups = _sequence_parallel(config.sequence_parallel_size) if config.sequence_parallel_size > 1 else None
     if sp_groups is not None:  # data parallel runs across SP groups
         world = World(sp_groups.dp_rank, sp_groups.dp_size, sp_groups.dp_group)
@@ -148,11 +159,22 @@ def build_models(config: TrainerConfig, model_path: str, device: str, world: Wor
     policy_root = _logprob_root(config, policy, sp_groups, pad_id)
     # FSDP shards over every process, SP ranks included; its reduce-scatter averages gradients over them all
     fsdp = config.data_parallel == "fsdp" and processes.size > 1
-    if fsdp:  # parameters sharded; the root module's forward gathers the rest (distributed.fully_shard)
+    zero_engine = None
+    reference_root = None
+    if zero is not None:  # the engine wraps the logprob module: its forward gathers what ZeRO-3 partitioned
+        from agentrl.trainers.deepspeed_backend import ZeroEngine, frozen_engine
+
+        zero_engine = ZeroEngine(
+            policy_root, [p for p in policy.parameters() if p.requires_grad], zero, lr=config.lr,
+            betas=config.betas, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm, device=device,
+        )  # fmt: skip
+        policy_root = zero_engine.engine
+        if zero.zero_stage == 3 and reference is not None:  # the frozen reference is partitioned like the policy
+            reference_root = frozen_engine(_logprob_root(config, reference, sp_groups, pad_id), zero, device)
+    elif fsdp:  # parameters sharded; the root module's forward gathers the rest (distributed.fully_shard)
         policy_root = fully_shard(policy_root, policy, processes, device)
     elif sp_groups is None:  # under SP, gradients are reduced by sequence_parallel.reduce_gradients
         policy_root = wrap(policy_root, world, device)
-    reference_root = None
     if fsdp and reference is not None:  # the frozen reference is sharded like the policy
         reference_root = fully_shard(_logprob_root(config, reference, sp_groups, pad_id), reference, processes, device)
     return Models(
@@ -165,6 +187,8 @@ def build_models(config: TrainerConfig, model_path: str, device: str, world: Wor
         world=world,
         processes=processes,
         fsdp=fsdp,
+        zero=zero_engine,
+        collective=fsdp or (zero is not None and zero.zero_stage == 3 and processes.size > 1),
         grad_scale=processes.size if fsdp else world.size,
         pad_id=pad_id,
         autocast_dtype=autocast_dtype,

@@ -5,6 +5,8 @@ Layout of a checkpoint directory:
                        With LoRA the adapters are merged in (what engines and evals want).
   adapter/             LoRA only: the peft adapter, which is what resume loads.
   trainer_state.pt     optimizer, scheduler, step, policy_version, critic (if any)
+  deepspeed/           data_parallel=deepspeed only: DeepSpeed's own checkpoint, each rank's partition of
+                       the optimizer state and master weights (what resume loads, with as many ranks)
   rng_rank{R}.pt       python / numpy / torch (and CUDA) RNG states of process R (SP ranks included)
   extra_state.json     the caller's JSON state (data cursor, rollout state, …)
 The directory is written under a temporary name and renamed, so a crash never
@@ -37,10 +39,16 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     path = Path(path)
     world = trainer.processes  # under SP the data-parallel rank 0 is several processes: one writes
     tmp = path.with_name(path.name + ".tmp")
-    # FSDP: gathering the weights and the optimizer state are collectives, so every rank takes part
-    weights = _engine_weights(trainer, keep=world.is_main) if trainer.fsdp else None
-    adapter = _full_adapter_state(trainer) if trainer.fsdp and trainer.config.lora is not None else None
-    optimizer = whole_optimizer_state(trainer.model, trainer.optimizer) if trainer.fsdp else trainer.optimizer.state_dict()
+    zero = trainer.models.zero
+    # FSDP, ZeRO-3: gathering the weights (and FSDP's optimizer state) are collectives, so every rank takes part
+    collective = trainer.fsdp or trainer.partitioned
+    # DeepSpeed keeps the weights as views of flat buffers: written from copies (the engines' tensors)
+    copies = collective or (zero is not None and world.is_main)
+    weights = _engine_weights(trainer, keep=world.is_main) if copies else None
+    adapter = _full_adapter_state(trainer) if copies and trainer.config.lora is not None else None
+    optimizer: Any = None  # DeepSpeed: each rank's partition, written by the engine below
+    if zero is None:
+        optimizer = whole_optimizer_state(trainer.model, trainer.optimizer) if trainer.fsdp else trainer.optimizer.state_dict()
     critic = trainer.critic.state_dict() if trainer.critic is not None else None  # sharded: gathered, every rank
     if world.is_main:
         if tmp.exists():
@@ -62,11 +70,14 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
                 "policy_version": trainer.policy_version,
                 "critic": critic,
                 "config": trainer.config.model_dump(mode="json"),
+                "world_size": world.size,
             },
             tmp / "trainer_state.pt",
         )
         (tmp / "extra_state.json").write_text(json.dumps(extra_state, indent=1, sort_keys=True))
     _barrier(trainer)
+    if zero is not None:
+        zero.save(tmp / "deepspeed")
     torch.save(_rng_state(), tmp / f"rng_rank{world.rank}.pt")
     _barrier(trainer)
     if world.is_main:
@@ -88,10 +99,14 @@ def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
             f"{path} was written with trainer.data_parallel={saved_mode}; "
             f"resume it with the same (this trainer has {trainer.config.data_parallel})"
         )
-    _load_model(trainer, path)
-    if trainer.fsdp:  # a full (unsharded) optimizer state: each rank keeps its shard
+    if trainer.models.zero is not None:  # DeepSpeed's partitions: as many ranks, the same stage
+        _check_zero_layout(trainer, path, state)
+        trainer.models.zero.load(path / "deepspeed")  # the weights (master copy) and the optimizer state
+    elif trainer.fsdp:  # a full (unsharded) optimizer state: each rank keeps its shard
+        _load_model(trainer, path)
         load_whole_optimizer_state(trainer.model, trainer.optimizer, state["optimizer"])
     else:
+        _load_model(trainer, path)
         trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = int(state["step"])
@@ -105,6 +120,18 @@ def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
         _set_rng_state(torch.load(rng_file, weights_only=False))
     extra: dict[str, Any] = json.loads((path / "extra_state.json").read_text())
     return extra
+
+
+def _check_zero_layout(trainer: TorchTrainer, path: Path, state: dict[str, Any]) -> None:
+    saved_stage = ((state.get("config") or {}).get("deepspeed") or {}).get("zero_stage", 2)
+    zero = trainer.config.zero
+    assert zero is not None
+    saved_size = state.get("world_size")
+    if saved_stage != zero.zero_stage or saved_size != trainer.processes.size:
+        raise ValueError(
+            f"{path} was written by {saved_size} DeepSpeed ranks with trainer.deepspeed.zero_stage={saved_stage}; "
+            f"resume it with the same (this trainer: {trainer.processes.size} ranks, zero_stage={zero.zero_stage})"
+        )
 
 
 def _save_model(trainer: TorchTrainer, out: Path) -> None:
@@ -129,9 +156,15 @@ def _hf_config(trainer: TorchTrainer) -> Any:
 
 
 def _full_adapter_state(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
-    """FSDP + LoRA: the adapter parameters gathered whole (a collective: every rank calls it), by FQN."""
+    """LoRA: the adapter parameters (copies), by FQN. FSDP, ZeRO-3: gathered whole (a collective: every rank calls it)."""
+    if trainer.partitioned:
+        from deepspeed.runtime.zero import GatheredParameters
+
+        lora = {name: p for name, p in trainer.model.named_parameters() if ".lora_" in name}
+        with GatheredParameters(list(lora.values()), modifier_rank=None):
+            return {name: p.data.detach().cpu().clone() for name, p in lora.items()}
     return {
-        name: full_tensor(t).detach().cpu()
+        name: full_tensor(t).detach().cpu().clone()
         for name, t in trainer.model.state_dict().items()
         if ".lora_" in name
     }

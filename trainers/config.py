@@ -141,6 +141,39 @@ class GigpoConfig(_Section):
     )
 
 
+class DeepSpeedConfig(_Section):
+    """DeepSpeed ZeRO as the data-parallel engine (data_parallel: deepspeed); see trainers/deepspeed_backend.py."""
+
+    zero_stage: Literal[2, 3] = Field(
+        2,
+        description="2: optimizer state and gradients partitioned over the ranks, a full copy of the weights on "
+        "each; 3: the weights partitioned too (gathered per module for each forward, per bucket for the engines "
+        "and checkpoints)",
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="keep the optimizer state (and its step) in CPU memory: DeepSpeed's CPU Adam, a C++ op "
+        "built on first use (needs g++ and ninja)",
+    )
+    offload_params: bool = Field(
+        False, description="zero_stage 3 only: keep the partitioned weights in CPU memory between uses"
+    )
+    param_persistence_threshold: int = Field(
+        100_000,
+        ge=0,
+        description="zero_stage 3: parameters with fewer elements stay whole on every rank (norms, biases: "
+        "fewer gathers); 0 partitions every parameter",
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_stage3(self) -> DeepSpeedConfig:
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(
+                f"trainer.deepspeed.offload_params=true needs trainer.deepspeed.zero_stage=3 (got {self.zero_stage})"
+            )
+        return self
+
+
 class TrainerConfig(_Section):
     """Configuration of `TorchTrainer` (plugin name `torch`)."""
 
@@ -289,12 +322,17 @@ class TrainerConfig(_Section):
         description="ranks that split each packed row with ring attention (world size a multiple of it); "
         "1 = off",
     )
-    data_parallel: Literal["ddp", "fsdp"] = Field(
+    data_parallel: Literal["ddp", "fsdp", "deepspeed"] = Field(
         "ddp",
         description="how ranks share the model: ddp = a full copy per rank, gradients all-reduced; fsdp = "
         "parameters, gradients and optimizer state sharded over the ranks (FSDP2), for models whose "
         "training state does not fit one device (with lora: the frozen base is sharded too; with gae: the "
-        "critic too; with sequence_parallel_size > 1: over every rank, SP ranks included)",
+        "critic too; with sequence_parallel_size > 1: over every rank, SP ranks included); deepspeed = "
+        "DeepSpeed ZeRO-2/3 with optional CPU offload (settings in trainer.deepspeed)",
+    )
+    deepspeed: DeepSpeedConfig | None = Field(
+        None,
+        description="DeepSpeed ZeRO settings; only with data_parallel=deepspeed (defaults when absent: ZeRO-2)",
     )
     weight_bucket_mb: float = Field(
         256.0, gt=0.0, description="max size in MiB of one bucket of weights sent to the engines"
@@ -337,6 +375,28 @@ class TrainerConfig(_Section):
                 "trainer.shared_prefix=true needs trainer.attention='packed_sdpa' and "
                 f"trainer.sequence_parallel_size=1 (got {self.attention!r}, {self.sequence_parallel_size})"
             )
+        if self.deepspeed is not None and self.data_parallel != "deepspeed":
+            raise ValueError(
+                f"trainer.deepspeed is only used by trainer.data_parallel='deepspeed' (got {self.data_parallel!r}): "
+                "remove it or set data_parallel: deepspeed"
+            )
+        if self.data_parallel == "deepspeed" and self.advantage == "gae":
+            raise ValueError(
+                "trainer.advantage='gae' does not yet run with trainer.data_parallel='deepspeed' (the critic has "
+                "no DeepSpeed engine); use data_parallel: ddp or fsdp with gae"
+            )
+        if self.data_parallel == "deepspeed" and self.sequence_parallel_size > 1:
+            raise ValueError(
+                "trainer.data_parallel='deepspeed' does not combine with trainer.sequence_parallel_size="
+                f"{self.sequence_parallel_size} (use data_parallel: fsdp for sharding with sequence parallelism)"
+            )
         if self.kl.in_reward and not self.kl.enabled:
             raise ValueError("trainer.kl.in_reward=true needs trainer.kl.coef > 0")
         return self
+
+    @property
+    def zero(self) -> DeepSpeedConfig | None:
+        """The DeepSpeed settings in effect (defaults without a section); None unless data_parallel=deepspeed."""
+        if self.data_parallel != "deepspeed":
+            return None
+        return self.deepspeed or DeepSpeedConfig.model_validate({})

@@ -23,7 +23,12 @@ def build_optimizer(
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over `params` and its LR schedule (warmup, then constant / linear / cosine decay)."""
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config))
+    return optimizer, lr_schedule(config, optimizer)
+
+
+def lr_schedule(config: TrainerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of `optimizer` (also the one a DeepSpeed engine steps with)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config))
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], max_norm: float | None) -> float:

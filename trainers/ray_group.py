@@ -9,7 +9,9 @@ process or one machine is a config change, not a launcher script:
 - Each rank is a Ray actor that joins a torch.distributed process group
   (gloo on CPU, nccl with GPUs; rank 0's node hosts the rendezvous) and builds
   a `TorchTrainer`, which shards every batch over the ranks as under torchrun
-  (see distributed.py).
+  (see distributed.py). With `data_parallel: deepspeed` the same ranks run
+  DeepSpeed ZeRO-2/3 (deepspeed_backend.py), started the OpenRLHF way: Ray
+  actors in one process group, no DeepSpeed launcher.
 - The ranks are reserved as one placement group (`placement: pack` keeps them
   on as few nodes as possible): a cluster that cannot hold them fails at start
   with what was asked, instead of leaving ranks pending.
@@ -151,7 +153,7 @@ class _Rank:
             yield [(name, _to_wire(t)) for name, t in bucket]
 
     def drain_weights(self, dtype: Any, bucket_mb: float | None) -> int:
-        """FSDP, ranks but 0: take part in gathering each tensor rank 0 streams (a collective); returns the count."""
+        """FSDP, ZeRO-3, ranks but 0: take part in gathering each tensor rank 0 streams (a collective); returns the count."""
         buckets = self.trainer.state_for_engines(dtype=dtype, bucket_mb=bucket_mb).buckets()
         return sum(len(bucket) for bucket in buckets)
 
@@ -161,6 +163,13 @@ class _Rank:
     def load(self, path: str) -> tuple[dict[str, Any], int]:
         extra = self.trainer.load(path)
         return extra, int(self.trainer.policy_version)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and optimizer state this rank holds (DeepSpeed: its partitions)."""
+        from agentrl.trainers.deepspeed_backend import model_state_bytes
+
+        zero = self.trainer.models.zero
+        return dict(zero.state_bytes() if zero is not None else model_state_bytes(self.trainer.model, self.trainer.optimizer))
 
     def node(self) -> str:
         import ray
@@ -188,7 +197,7 @@ class _RemoteWeights:
 
 
 class RayTrainerGroup:
-    """The torch trainer on `world_size` Ray actors (DDP/SP over gloo or nccl, one machine or a cluster)."""
+    """The torch trainer on `world_size` Ray actors (DDP/FSDP/ZeRO/SP over gloo or nccl, one machine or a cluster)."""
 
     Config = RayTrainerConfig
 
@@ -284,6 +293,16 @@ class RayTrainerGroup:
         extra, self.policy_version = results[0]
         return dict(extra)
 
+    @property
+    def gathers_weights(self) -> bool:
+        """Whether reading the weights is a collective every rank joins (FSDP, DeepSpeed ZeRO-3)."""
+        zero = self.config.zero
+        return self.config.data_parallel == "fsdp" or (zero is not None and zero.zero_stage == 3)
+
+    def state_bytes(self) -> list[dict[str, int]]:
+        """Per rank: bytes of parameters and optimizer state it holds (a memory report; DeepSpeed: partitions)."""
+        return list(self._call([r.state_bytes.remote() for r in self._ranks], self.config.step_timeout_s, "state_bytes"))
+
     def close(self) -> None:
         """End the ranks (and the local Ray this group started)."""
         import ray
@@ -306,8 +325,8 @@ class RayTrainerGroup:
 
         cfg = self.config
         deadline = time.monotonic() + cfg.step_timeout_s
-        # under FSDP each tensor is gathered from every rank: the others gather along and drop it
-        helpers = [r.drain_weights.remote(dtype, bucket_mb) for r in self._ranks[1:]] if cfg.data_parallel == "fsdp" else []
+        # under FSDP and ZeRO-3 each tensor is gathered from every rank: the others gather along and drop it
+        helpers = [r.drain_weights.remote(dtype, bucket_mb) for r in self._ranks[1:]] if self.gathers_weights else []
         stream = self._ranks[0].weight_buckets.options(num_returns="streaming").remote(dtype, bucket_mb)
         while True:
             try:  # a streaming generator is "ready" once its next bucket (or its end) is there

@@ -15,8 +15,8 @@ The RL step (`train_samples`), top to bottom:
   5. metrics, LR schedule, policy_version += 1; the step returns its metrics and
      the token stats of the replay view (`agentrl.trainer.TrainStepResult`)
 
-The models it runs (policy, reference, critic; LoRA, DDP/FSDP, sequence
-parallel) are built by `assembly.build_models`; micro-batches come from
+The models it runs (policy, reference, critic; LoRA, DDP/FSDP/DeepSpeed ZeRO,
+sequence parallel) are built by `assembly.build_models`; micro-batches come from
 `micro_batches.MicroBatcher`; the optimizer and LR schedule from `optim`. Weights stay fp32; forward passes run under bf16
 autocast where the device supports it. `state_for_engines()` hands the weights
 over in named buckets.
@@ -63,7 +63,13 @@ from agentrl.trainers.micro_batches import (
     shared_prefix_families,
 )
 from agentrl.trainers.off_policy import MismatchStats, off_policy_weights
-from agentrl.trainers.optim import advance_schedule, build_optimizer, clipped_step, seed_everything
+from agentrl.trainers.optim import (
+    advance_schedule,
+    build_optimizer,
+    clipped_step,
+    lr_schedule,
+    seed_everything,
+)
 from agentrl.trainers.packing import PackedBatch, padding_counts, padding_metrics
 from agentrl.trainers.shared_prefix import layout_cost
 from agentrl.trainers.token_stats import TokenStatsRecorder
@@ -105,8 +111,11 @@ class TorchTrainer:
         self.model, self.reference, self.critic = m.policy, m.reference, m.critic
         self.world, self.processes, self.fsdp = m.world, m.processes, m.fsdp
         self.sp_groups, self.pad_id, self.autocast_dtype = m.sp_groups, m.pad_id, m.autocast_dtype
-        self.batcher = MicroBatcher(self.config, pad_id=m.pad_id, world=m.world, fsdp=m.fsdp)
-        self.optimizer, self.scheduler = build_optimizer(self.config, m.trainable())
+        self.batcher = MicroBatcher(self.config, pad_id=m.pad_id, world=m.world, fsdp=m.collective)
+        if m.zero is not None:  # DeepSpeed built the optimizer with its engine; the LR schedule acts on it
+            self.optimizer, self.scheduler = m.zero.optimizer, lr_schedule(self.config, m.zero.optimizer)
+        else:
+            self.optimizer, self.scheduler = build_optimizer(self.config, m.trainable())
 
     # ------------------------------------------------------------------ the RL step
     def train_step(self, groups: Sequence[Group]) -> TrainStepResult:
@@ -124,6 +133,9 @@ class TorchTrainer:
         """
         if (self.config.epochs, self.config.mini_batches) != (1, 1):
             raise ValueError("compute_gradients needs trainer.epochs=1 and trainer.mini_batches=1")
+        if self.models.zero is not None:
+            raise ValueError("compute_gradients: under trainer.data_parallel='deepspeed' the gradients live in "
+                             "DeepSpeed's partitions, not in .grad")  # fmt: skip
         return self._step(group_samples(groups), apply=False)
 
     def _step(self, groups: Samples, *, apply: bool) -> TrainStepResult:
@@ -292,7 +304,7 @@ class TorchTrainer:
         """
         cfg = self.config
         num_seqs, num_tokens, seq_len = counts
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         real = len(batches)
         batches = self.batcher.forwards(batches, list(fields), at_least_one=True)
         sums = torch.zeros(5, dtype=torch.float64)  # loss, pg, kl, entropy_sum, clipped_tokens
@@ -303,7 +315,7 @@ class TorchTrainer:
             agg = aggregation_weights(
                 f["loss_mask"], b.seq_ids, cfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, seq_lengths=lengths
             )
-            with maybe_no_sync(self.models.policy_root, sync=k == len(batches) - 1):
+            with self._micro_batch(last=k == len(batches) - 1):
                 with self.models.autocast():
                     logp, entropy = self.models.logprobs(self.model, b, with_entropy=True)
                 logp = logp.float()
@@ -338,7 +350,7 @@ class TorchTrainer:
                     kl_estimator=cfg.kl.estimator,
                     entropy_coef=cfg.entropy_coef,
                 )
-                torch.autograd.backward(loss * self.models.grad_scale)
+                self._backward(loss * self.models.grad_scale)
             sums += torch.tensor(
                 [
                     float(loss.detach()),
@@ -375,11 +387,31 @@ class TorchTrainer:
 
     def _optimizer_step(self) -> float:
         """`optim.clipped_step` on the policy; a skipped (non-finite) update counts in `skipped_updates`."""
-        self._reduce_sp_gradients()
-        norm = clipped_step(self.optimizer, self.models.trainable(), self.config.max_grad_norm)
+        if self.models.zero is not None:  # DeepSpeed clips, and skips a non-finite update on every rank
+            norm = self.models.zero.step()
+        else:
+            self._reduce_sp_gradients()
+            norm = clipped_step(self.optimizer, self.models.trainable(), self.config.max_grad_norm)
         if not math.isfinite(norm):
             self.skipped_updates += 1
         return norm
+
+    def _zero_grad(self) -> None:
+        if self.models.zero is None:  # DeepSpeed clears its gradient partitions in its step
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _micro_batch(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Around a micro-batch's forward and backward: gradients are reduced only after the `last` one."""
+        if self.models.zero is not None:
+            self.models.zero.boundary(last)
+            return contextlib.nullcontext()
+        return maybe_no_sync(self.models.policy_root, sync=last)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.models.zero is not None:
+            self.models.zero.backward(loss)
+        else:
+            torch.autograd.backward(loss)
 
     def _critic_update(self, batches: list[PackedBatch], fields: Fields, num_tokens: int) -> float:
         """One value-loss step on the mini-batch just trained; the loss summed over ranks."""
@@ -437,15 +469,15 @@ class TorchTrainer:
         real = self.batcher.pack(ids, fields, mine)
         batches = self.batcher.forwards(real, ["loss_mask"], at_least_one=True)
         num_tokens = int(sum(float(m.sum()) for m in fields["loss_mask"]))
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         total = torch.zeros(1, dtype=torch.float64)
         for k, b in enumerate(batches):
             b = b.to(self.device)
-            with maybe_no_sync(self.models.policy_root, sync=k == len(batches) - 1):
+            with self._micro_batch(last=k == len(batches) - 1):
                 with self.models.autocast():
                     logp, _ = self.models.logprobs(self.model, b)
                 loss = -(logp.float() * b.fields["loss_mask"]).sum() / max(num_tokens, 1)
-                torch.autograd.backward(loss * self.models.grad_scale)
+                self._backward(loss * self.models.grad_scale)
             total += float(loss.detach())
         lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used, as train_step reports it
         skipped_before = self.skipped_updates
@@ -469,14 +501,28 @@ class TorchTrainer:
     ) -> NamedTensorBuckets:
         """The current weights as HF-named tensors in buckets (LoRA merged).
 
-        Under FSDP every rank must read it to the end, in step: each tensor is
-        gathered from all ranks as it is read (the `ray` trainer does this).
+        Under FSDP and ZeRO-3 every rank must read it to the end, in step: each
+        tensor (ZeRO-3: each bucket of parameters) is gathered from all ranks as
+        it is read (the `ray` trainer does this).
         """
+        bucket_mb = bucket_mb or self.config.weight_bucket_mb
+        if self.partitioned:
+            from agentrl.trainers.deepspeed_backend import gathered_named_tensors
+
+            bucket_bytes = int(bucket_mb * 1024 * 1024)
+            return NamedTensorBuckets(lambda: gathered_named_tensors(self.model, bucket_bytes), bucket_mb=bucket_mb,
+                                      dtype=dtype)  # fmt: skip
         return NamedTensorBuckets(
             lambda: ((name, full_tensor(t)) for name, t in hf_named_tensors(self.model)),
-            bucket_mb=bucket_mb or self.config.weight_bucket_mb,
+            bucket_mb=bucket_mb,
             dtype=dtype,
         )
+
+    @property
+    def partitioned(self) -> bool:
+        """ZeRO-3: the weights are partitions; reading them whole is a collective, bucket by bucket."""
+        zero = self.config.zero
+        return zero is not None and zero.zero_stage == 3
 
     def save(self, path: str | Path, extra_state: Mapping[str, JSON] | None = None) -> None:
         """Checkpoint: HF model dir, optimizer, scheduler, RNG, step, `extra_state` (JSON)."""
