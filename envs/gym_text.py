@@ -21,6 +21,7 @@ its three games: readable boards and legends, named actions, per-seed maps.
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
@@ -77,6 +78,22 @@ class GymTextConfig(EnvConfig):
     train_size: int = Field(1000, ge=1, le=_SPLIT_OFFSET["test"], description="tasks (= game seeds) in the train split")
     test_size: int = Field(
         100, ge=0, le=_SPLIT_OFFSET["test"], description="tasks in the test split (seeds disjoint from train); 0 = none"
+    )
+    show_neighbours: bool = Field(
+        False,
+        description="frozenlake: add a line naming what each move leads to (ice, hole, goal or wall) under the board",
+    )
+    few_shot: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="frozenlake: solved train games shown before the task as earlier turns (prompt tokens, no loss)",
+    )
+    demonstrations: int = Field(
+        0,
+        ge=0,
+        le=_SPLIT_OFFSET["test"],
+        description="frozenlake: solved games on the first N train boards (shortest path) for an SFT warm start",
     )
 
 
@@ -137,11 +154,47 @@ class GymTextEnv(Env):
         self._steps = 0
         self._invalid = 0
         self._return = 0.0
-        intro = (
+        if self.cfg.game == "frozenlake" and self.cfg.few_shot:
+            shots = [m for demo in self._solved_games(self.cfg.few_shot) for m in demo]
+            return [*shots, Message(role="user", content="New board.\n" + self.render())], {"game": self.cfg.game}
+        return [Message(role="user", content=self._intro() + self.render())], {"game": self.cfg.game}
+
+    def _intro(self) -> str:
+        return (
             f"{RULES[self.cfg.game]}\nActions: {', '.join(self.actions)}. "
             "Reply with exactly one action as <action>NAME</action>.\n\n"
         )
-        return [Message(role="user", content=intro + self.render())], {"game": self.cfg.game}
+
+    def demonstrations(self) -> list[list[Message]]:
+        """FrozenLake games played perfectly on the first `demonstrations` train boards (for an SFT warm start).
+
+        Each is the conversation an episode would have (same opening, same boards) with a
+        shortest path's moves as the replies, found by breadth-first search around the
+        holes. Boards come from the train split only, so held-out boards stay unseen.
+        Other games have no demonstrations.
+        """
+        if self.cfg.game != "frozenlake":
+            return []
+        return self._solved_games(self.cfg.demonstrations)
+
+    def _solved_games(self, count: int) -> list[list[Message]]:
+        """Shortest-path games on the first `count` train boards, as conversations."""
+        from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+
+        demos = []
+        for task in list(self.tasks("train"))[:count]:
+            desc = generate_random_map(self.cfg.map_size, self.cfg.frozen_prob, int(task["seed"]))
+            pos = (0, 0)
+            board = lake_text(desc, pos, neighbours=self.cfg.show_neighbours)
+            messages = [Message(role="user", content=self._intro() + board)]
+            for move in shortest_lake_path(desc)[: self.cfg.max_steps]:
+                if messages[-1].role == "assistant":
+                    board = lake_text(desc, pos, neighbours=self.cfg.show_neighbours)
+                    messages.append(Message(role="user", content=board))
+                messages.append(Message(role="assistant", content=f"<action>{move}</action>"))
+                pos = (pos[0] + _MOVES[move][0], pos[1] + _MOVES[move][1])
+            demos.append(messages)
+        return demos
 
     def state_key(self) -> str:
         """The game's own state (Gymnasium's observation) as a key: equal keys, equal boards.
@@ -162,10 +215,8 @@ class GymTextEnv(Env):
 
     def _render_lake(self) -> str:
         game = self._game.unwrapped
-        rows = [[c.decode() for c in row] for row in game.desc]
-        r, c = divmod(int(self._obs), game.ncol)
-        rows[r][c] = "P"
-        return "\n".join("".join(row) for row in rows)
+        desc = ["".join(c.decode() for c in row) for row in game.desc]
+        return lake_text(desc, divmod(int(self._obs), game.ncol), neighbours=self.cfg.show_neighbours)
 
     def _render_taxi(self) -> str:
         game = self._game.unwrapped
@@ -240,6 +291,44 @@ class GymTextEnv(Env):
         if self._game is not None:
             self._game.close()
             self._game = None
+
+
+_MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
+_TILE_NAMES = {"S": "ice", "F": "ice", "H": "hole", "G": "goal"}
+
+
+def lake_text(desc: list[str], at: tuple[int, int], *, neighbours: bool = False) -> str:
+    """A FrozenLake board with the player (P) at `at` = (row, column); optionally what each move leads to."""
+    rows = [list(row) for row in desc]
+    r, c = at
+    rows[r][c] = "P"
+    lines = ["".join(row) for row in rows]
+    if neighbours:
+        around = []
+        for move, (dr, dc) in _MOVES.items():
+            nr, nc = r + dr, c + dc
+            inside = 0 <= nr < len(desc) and 0 <= nc < len(desc[0])
+            around.append(f"{move}={_TILE_NAMES[desc[nr][nc]] if inside else 'wall'}")
+        lines.append("Moves: " + " ".join(around))
+    return "\n".join(lines)
+
+
+def shortest_lake_path(desc: list[str]) -> list[str]:
+    """The moves of a shortest path from S (top left) to G around the holes (breadth-first search)."""
+    start = (0, 0)
+    queue: deque[tuple[tuple[int, int], list[str]]] = deque([(start, [])])
+    seen = {start}
+    while queue:
+        (r, c), path = queue.popleft()
+        if desc[r][c] == "G":
+            return path
+        for move, (dr, dc) in _MOVES.items():
+            nxt = (r + dr, c + dc)
+            inside = 0 <= nxt[0] < len(desc) and 0 <= nxt[1] < len(desc[0])
+            if inside and desc[nxt[0]][nxt[1]] != "H" and nxt not in seen:
+                seen.add(nxt)
+                queue.append((nxt, [*path, move]))
+    raise ValueError("the board has no path from S to G")
 
 
 def _card(value: int) -> str:

@@ -104,3 +104,46 @@ async def test_too_many_invalid_replies_truncate() -> None:
     results = [await env.step(say("hmm")) for _ in range(3)]
     assert [r.truncated for r in results] == [False, False, True]
     assert results[-1].truncation_reason == "invalid_actions" and results[-1].messages == []
+
+
+async def test_frozenlake_neighbours_line_names_what_each_move_leads_to() -> None:
+    env = make(game="frozenlake", show_neighbours=True, train_size=50)
+    for task in env.tasks():
+        await env.reset(task)
+        board = env.render().splitlines()
+        if board[1][0] == "H":
+            break
+    else:
+        pytest.skip("no map with a hole below the start")
+    assert len(board) == 5
+    assert board[-1] == f"Moves: left=wall down=hole right={'hole' if board[0][1] == 'H' else 'ice'} up=wall"
+    moved = await env.step(say("<action>left</action>"))  # into the wall: stays, the line stays
+    assert moved.messages[0].content.splitlines()[-1] == board[-1]
+
+
+async def test_frozenlake_demonstrations_replay_to_the_goal_on_train_boards() -> None:
+    env = make(game="frozenlake", show_neighbours=True, demonstrations=5, test_size=5)
+    demos = env.demonstrations()
+    train_ids = [t["id"] for t in env.tasks("train")][:5]
+    assert len(demos) == 5 and not make(game="frozenlake").demonstrations()
+    for task_id, demo in zip(train_ids, demos, strict=True):
+        task = next(t for t in env.tasks("train") if t["id"] == task_id)
+        messages, _ = await env.reset(task)
+        assert messages[0] == demo[0]  # the demo is the conversation an episode on that board has
+        result = None
+        for i in range(1, len(demo), 2):
+            assert demo[i].role == "assistant" and demo[i].content.startswith("<action>")
+            result = await env.step(demo[i])
+            if i + 1 < len(demo):
+                assert result.messages[0] == demo[i + 1]
+        assert result is not None and result.terminated and result.reward == 1.0
+
+
+async def test_frozenlake_few_shot_games_precede_the_held_out_board() -> None:
+    env = make(game="frozenlake", few_shot=2, test_size=3)
+    task = next(iter(env.tasks("test")))
+    messages, _ = await env.reset(task)
+    shots = env.demonstrations() or make(game="frozenlake", demonstrations=2).demonstrations()
+    assert messages[:-1] == [m for demo in shots for m in demo]
+    assert messages[-1].role == "user" and messages[-1].content == "New board.\n" + env.render()
+    assert (await make(game="frozenlake", test_size=3).reset(task))[0][0].content.endswith(env.render())
