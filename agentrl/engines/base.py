@@ -9,13 +9,13 @@ The contract is shaped so that vLLM's AsyncLLM fits without an adapter layer
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.types import Completion
+from agentrl.types import Completion, FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,8 @@ class InferenceEngine(Protocol):
 
     Many concurrent `generate` calls are the normal case; an engine batches them.
     `policy_version` is the version of the weights now serving new tokens.
-    Two optional methods feed the run's metrics: `busy_seconds() -> float`
+    An engine may also stream (`StreamingEngine.generate_stream`: tokens as they
+    are sampled); the gateway uses it for SSE answers. Two optional methods feed the run's metrics: `busy_seconds() -> float`
     (`rollout/engine_busy`) and `stats() -> Mapping[str, float]` (cheap
     counters, logged as `rollout/engine/<key>`).
     """
@@ -120,6 +121,57 @@ class InferenceEngine(Protocol):
     async def health(self) -> EngineHealth: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """Tokens an engine sampled since its previous delta of the same request (ids, logprobs, versions).
+
+    The last delta of a request carries its `finish_reason` (its ids may be empty); the
+    deltas joined are exactly the `Completion` `generate` would have returned.
+    """
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class StreamingEngine(Protocol):
+    """The optional streaming half of the engine contract: tokens as they are sampled.
+
+    An engine offers it by having `generate_stream`; callers go through
+    `generate_stream`, the function below, which falls back to one delta holding
+    `generate`'s whole completion for engines without it.
+    """
+
+    def generate_stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenDelta]: ...
+
+
+async def generate_stream(engine: InferenceEngine, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenDelta]:
+    """The engine's tokens as they are sampled (its `generate_stream`), else its whole completion as one delta."""
+    stream = getattr(engine, "generate_stream", None)
+    if stream is None:
+        done = await engine.generate(prompt_ids, sampling)
+        yield TokenDelta(list(done.ids), list(done.logprobs), list(done.versions), done.finish_reason)
+        return
+    deltas: AsyncIterator[TokenDelta] = stream(prompt_ids, sampling)
+    try:
+        async for delta in deltas:
+            yield delta
+    finally:
+        aclose = getattr(deltas, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def join_deltas(deltas: Sequence[TokenDelta]) -> Completion:
+    """The completion a request's deltas make (the finish reason of the last one)."""
+    finish = deltas[-1].finish_reason if deltas else None
+    if finish is None:
+        raise ValueError("join_deltas: the stream ended without a finish reason")
+    return Completion([i for d in deltas for i in d.ids], [x for d in deltas for x in d.logprobs],
+                      [v for d in deltas for v in d.versions], finish)
 
 
 class CheckpointConfig(BaseModel):

@@ -40,7 +40,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ import torch
 from pydantic import Field
 
 from agentrl.engines.base import EngineClosed as EngineClosed  # re-exported: callers catch it from here
-from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, WeightSource
+from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, TokenDelta, WeightSource
 from agentrl.engines.hf_kv import KVBatch, merge, pack, past_cache, plain_kv_cache, row_kv, select
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
@@ -70,6 +70,7 @@ class _Request:
     text_len: int = 0
     cancelled: bool = False
     epoch: int = -1  # weights epoch at admission: its KV is cacheable only while that epoch lasts
+    updates: asyncio.Queue[int | None] | None = None  # streamed: tokens sampled so far, then None when resolved
 
 
 _Batch = KVBatch[_Request]  # the running rows and their KV cache (agentrl.engines.hf_kv)
@@ -143,6 +144,43 @@ class HFEngine:
     # -- requests (event loop side) ---------------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
+        req = self._submit(prompt_ids, sampling, stream=False)
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                return await req.future
+        except BaseException:
+            req.cancelled = True  # the worker drops it at its next step
+            raise
+
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenDelta]:
+        """Like `generate`, but yields the tokens as the worker samples them (the same ids as `generate`).
+
+        The worker tells the caller's loop how many tokens exist after each step;
+        the deltas joined are the request's `Completion`. `request_timeout_s` bounds
+        the whole request; leaving the iteration early cancels it.
+        """
+        req = self._submit(prompt_ids, sampling, stream=True)
+        assert req.updates is not None
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        sent = 0
+        try:
+            while True:
+                async with asyncio.timeout_at(deadline):
+                    n = await req.updates.get()
+                if n is None:
+                    break
+                if n > sent:
+                    yield TokenDelta(req.ids[sent:n], req.logprobs[sent:n], req.versions[sent:n])
+                    sent = n
+            done = req.future.result()  # raises what failed the request
+            yield TokenDelta(done.ids[sent:], done.logprobs[sent:], done.versions[sent:], done.finish_reason)
+        finally:
+            if not req.future.done():
+                req.cancelled = True  # the worker drops it at its next step
+            req.future.add_done_callback(_retrieved)
+
+    def _submit(self, prompt_ids: Sequence[int], sampling: Sampling, *, stream: bool) -> _Request:
+        """Queue a request for the worker."""
         if self._closed:
             raise EngineClosed("hf engine is closed")
         if not prompt_ids:
@@ -156,17 +194,13 @@ class HFEngine:
             future=loop.create_future(),
             stop_ids=self._eos_ids | frozenset(sampling.stop_ids),
             row=RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, gen),
+            updates=asyncio.Queue() if stream else None,
         )
         self._ensure_worker()
         with self._cv:
             self._waiting.append(req)
             self._cv.notify()
-        try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                return await req.future
-        except BaseException:
-            req.cancelled = True  # the worker drops it at its next step
-            raise
+        return req
 
     def _ensure_worker(self) -> None:
         if self._worker is None:
@@ -337,6 +371,9 @@ class HFEngine:
             req.ids.append(tok)
             req.logprobs.append(lp)
             req.versions.append(version)
+            if req.updates is not None:  # streamed: the caller may read this many tokens now
+                with contextlib.suppress(RuntimeError):  # the caller's loop is already closed
+                    req.loop.call_soon_threadsafe(req.updates.put_nowait, len(req.ids))
         self.tokens_generated += len(ids)
 
     def _retire(self, batch: _Batch) -> _Batch | None:
@@ -389,6 +426,8 @@ class HFEngine:
                 req.future.set_exception(result)
             else:
                 req.future.set_result(result)
+            if req.updates is not None:
+                req.updates.put_nowait(None)
 
         with contextlib.suppress(RuntimeError):  # the caller's loop is already closed
             req.loop.call_soon_threadsafe(deliver)
@@ -503,7 +542,10 @@ class HFEngine:
         await self.close()
 
 
-_MIN_SHARED_GAIN = 16  # tokens an in-admission shared prefix must add over the store to defer a request
+def _retrieved(future: asyncio.Future[Completion]) -> None:
+    """Mark a left stream's outcome as seen (no "exception was never retrieved" warning)."""
+    if not future.cancelled():
+        future.exception()
 
 
 _MIN_SHARED_GAIN = 16  # tokens an in-admission shared prefix must add over the store to defer a request

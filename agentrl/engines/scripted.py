@@ -19,13 +19,13 @@ import asyncio
 import bisect
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.chat import ChatTokenizer
-from agentrl.engines.base import EngineHealth, Sampling, WeightSource
+from agentrl.engines.base import EngineHealth, Sampling, TokenDelta, WeightSource
 from agentrl.types import Completion, FinishReason
 
 
@@ -158,6 +158,35 @@ class ScriptedEngine:
                 self._slots.release()
         self.tokens_generated += len(ids)
         return Completion(ids, [cfg.logprob] * len(ids), versions, finish)
+
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenDelta]:
+        """The same reply as `generate`, one token per delta, each at its time under the timing model."""
+        if self._closed:
+            raise RuntimeError("scripted engine is closed")
+        self.calls += 1
+        cfg = self.config
+        if cfg.error_rate and self._rng.random() < cfg.error_rate:
+            raise RuntimeError("scripted engine failure (error_rate)")
+        ids, finish = self._reply_ids(prompt_ids, sampling)
+        if self._slots is not None:
+            await self._slots.acquire()
+        try:
+            self._set_active(+1)
+            start = time.monotonic()
+            ttft = cfg.ttft_s.sample(self._rng)
+            await asyncio.sleep(ttft)
+            for i, token in enumerate(ids):
+                if i:
+                    await asyncio.sleep(cfg.per_token_s)  # sleep(0) still lets the reader run between tokens
+                version = self.policy_version if self._zero_latency else self._version_at(start + ttft + i * cfg.per_token_s)
+                self.tokens_generated += 1
+                yield TokenDelta([token], [cfg.logprob], [version], finish if i == len(ids) - 1 else None)
+            if not ids:
+                yield TokenDelta([], [], [], finish)
+        finally:
+            self._set_active(-1)
+            if self._slots is not None:
+                self._slots.release()
 
     def _reply_ids(self, prompt_ids: Sequence[int], sampling: Sampling) -> tuple[list[int], FinishReason]:
         cfg = self.config

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,17 +309,85 @@ def chat_response(result: ChatResult, request: ChatRequest, model: str, decode: 
     return out
 
 
+STREAM_MARKERS: dict[str, tuple[str, ...]] = {
+    "hermes": ("<tool_call>",),
+    "llama3_json": ("<|python_tag|>", "{"),
+    "json": ("{", "```"),
+}
+"""Where a tool call may begin in a reply, per parser: streamed content stops there (the calls come at the end)."""
+
+
+class ChunkHead:
+    """The fields every chunk of one streamed answer shares, and the chunk builder."""
+
+    def __init__(self, model: str) -> None:
+        self.id = "chatcmpl-" + os.urandom(12).hex()
+        self.created = int(time.time())
+        self.model = model
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}]}
+
+
+class ContentStream:
+    """The content deltas of a reply while it is sampled: the decoded text, held back where a tool call may begin.
+
+    `markers` are the strings a tool call of the parser starts with (`STREAM_MARKERS`);
+    text from the first one (or from a tail that could begin one) waits for the end, when
+    the parsed message is known. None holds everything back (a parser whose calls cannot
+    be told early). With `strip`, the text is sent as the parser's content is (stripped),
+    so the deltas add up to the non-streamed message's content.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], eos_ids: Sequence[int],
+                 markers: tuple[str, ...] | None, *, strip: bool) -> None:
+        self.decode = decode
+        self.eos = set(eos_ids)
+        self.markers = markers
+        self.strip = strip
+        self.sent = ""
+
+    def feed(self, ids: list[int]) -> str:
+        """The new content for the ids sampled so far ("" when nothing can be sent yet)."""
+        if self.markers is None:
+            return ""
+        text = self.decode(ids[:-1] if ids and ids[-1] in self.eos else ids)
+        cut = len(text)
+        for marker in self.markers:
+            at = text.find(marker)
+            if at >= 0:
+                cut = min(cut, at)
+            for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may grow into the marker
+                if text.endswith(marker[:k]):
+                    cut = min(cut, len(text) - k)
+                    break
+        visible = text[:cut].rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next token
+        visible = visible.strip() if self.strip else visible
+        if not visible.startswith(self.sent):
+            return ""  # the decoded text changed behind what was sent: the rest comes at the end
+        piece, self.sent = visible[len(self.sent) :], visible
+        return piece
+
+
 def chat_chunks(result: ChatResult, request: ChatRequest, model: str, decode: Any) -> Iterator[dict[str, Any]]:
-    """The chat.completion.chunk objects of a streamed answer (content per token, then calls)."""
-    head = {"id": result.id, "object": "chat.completion.chunk", "created": result.created, "model": model}
+    """The chat.completion.chunk objects of an answer streamed at once (a retry, or an engine that cannot stream)."""
+    head = ChunkHead(model)
+    head.id, head.created = result.id, result.created
+    yield head.chunk({"role": "assistant", "content": ""})
+    yield from final_chunks(head, result, request, decode, sent="")
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}]}
 
-    yield chunk({"role": "assistant", "content": ""})
-    if result.message.content:
-        for piece in _pieces(result.message.content):
-            yield chunk({"content": piece})
+def final_chunks(
+    head: ChunkHead, result: ChatResult, request: ChatRequest, decode: Any, *, sent: str
+) -> Iterator[dict[str, Any]]:
+    """The chunks after the streamed content `sent`: the rest of the content, the tool calls, the finish chunk
+    (with the sampled ids), the usage chunk."""
+    chunk = head.chunk
+    content = result.message.content or ""
+    rest = content[len(sent) :] if content.startswith(sent) else ""
+    for piece in _pieces(rest):
+        yield chunk({"content": piece})
     for i, call in enumerate(message_dict(result.message).get("tool_calls", [])):
         yield chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
                                      "function": {"name": call["function"]["name"], "arguments": ""}}]})
@@ -332,7 +400,8 @@ def chat_chunks(result: ChatResult, request: ChatRequest, model: str, decode: An
         last["prompt_token_ids"] = result.prompt_ids
     yield last
     if request.include_usage:
-        yield {**head, "choices": [], "usage": usage(result)}
+        yield {"id": head.id, "object": "chat.completion.chunk", "created": head.created, "model": head.model,
+               "choices": [], "usage": usage(result)}
 
 
 def _pieces(text: str, size: int = 16) -> Sequence[str]:

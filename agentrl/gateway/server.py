@@ -17,6 +17,7 @@ loopback unless a token is configured (`GatewayConfig`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -28,12 +29,17 @@ from aiohttp import web
 
 from agentrl.gateway.config import GatewayConfig
 from agentrl.gateway.protocol import (
+    STREAM_MARKERS,
+    ChatRequest,
+    ChunkHead,
+    ContentStream,
     GatewayError,
     bad,
     chat_chunks,
     chat_response,
     check_sampling,
     completion_response,
+    final_chunks,
     fingerprint,
     parse_chat_request,
 )
@@ -223,17 +229,67 @@ class Gateway:
         session = self._session(request)
         body = await self._json(request)
         chat = parse_chat_request(body, session.backend.sampling)
+        if chat.stream:
+            return await self._chat_stream(request, session, chat, fingerprint(body))
         result = await session.chat(chat, fingerprint(body))
-        decode = session.backend.tokenizer.decode
-        model = self.config.model_name
-        if not chat.stream:
-            return web.json_response(chat_response(result, chat, model, decode))
+        return web.json_response(chat_response(result, chat, self.config.model_name, session.backend.tokenizer.decode))
+
+    async def _chat_stream(self, request: web.Request, session: Session, chat: ChatRequest, key: str) -> web.StreamResponse:
+        """An SSE answer sent as the engine samples: content deltas as they decode, calls and ids at the end.
+
+        Nothing is sent before the first tokens, so a refused call is still a plain 4xx JSON error;
+        a failure after that ends the stream with an error event. A client that hangs up cancels the call.
+        """
+        backend = session.backend
+        decode = backend.tokenizer.decode
+        updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
+
+        async def answer() -> Any:
+            try:
+                return await session.chat(chat, key, on_tokens=updates.put_nowait)
+            finally:
+                updates.put_nowait(None)
+
+        task = asyncio.ensure_future(answer())
+        parse = chat.tool_choice != "none"
+        content = ContentStream(decode, backend.tokenizer.eos_ids,
+                                STREAM_MARKERS.get(backend.parser.name) if parse else (), strip=parse)
+        head = ChunkHead(self.config.model_name)
+        wait_s = backend.generate_timeout_s + 60.0  # the session's own deadlines end the call first
+        try:
+            async with asyncio.timeout(wait_s):
+                ids = await updates.get()
+            if ids is None:  # answered without a stream (a retry, or refused): no token was sent yet
+                result = await task
+                response = await self._sse(request)
+                for chunk in chat_chunks(result, chat, self.config.model_name, decode):
+                    await _send(response, chunk)
+                return await _done(response)
+            response = await self._sse(request)
+            await _send(response, head.chunk({"role": "assistant", "content": ""}))
+            while ids is not None:
+                piece = content.feed(ids)
+                if piece:
+                    await _send(response, head.chunk({"content": piece}))
+                async with asyncio.timeout(wait_s):
+                    ids = await updates.get()
+            try:
+                result = await task
+            except Exception as e:  # the status line is sent: the failure goes in an error event
+                error = e if isinstance(e, GatewayError) else GatewayError(500, f"internal error: {type(e).__name__}: {e}")
+                await _send(response, error.body())
+                return await _done(response)
+            for chunk in final_chunks(head, result, chat, decode, sent=content.sent):
+                await _send(response, chunk)
+            return await _done(response)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    @staticmethod
+    async def _sse(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        for chunk in chat_chunks(result, chat, model, decode):
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
         return response
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -341,6 +397,16 @@ class Gateway:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "sessions": len(self.sessions), "time": time.time()})
+
+
+async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+
+async def _done(response: web.StreamResponse) -> web.StreamResponse:
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 def _prompt_ids(prompt: Any, encode: Callable[[str], list[int]]) -> list[int]:

@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agentrl.chat import Budgets, ChatTokenizer, Conversation
-from agentrl.engines.base import InferenceEngine, Sampling
+from agentrl.engines.base import InferenceEngine, Sampling, TokenDelta, generate_stream, join_deltas
 from agentrl.gateway.protocol import ChatRequest, ChatResult, GatewayError, TrainerSampling, bad
 from agentrl.tool_parsers import ToolCallParser
 from agentrl.types import JSON, Completion, Message, ToolCall, Trajectory, Turn, new_id
 
 RETRY_CACHE = 16  # answers kept per session for retried requests
 T = TypeVar("T")
+OnTokens = Callable[[list[int]], None]
+"""Called with the ids sampled so far, as a streamed call's tokens arrive (the gateway's SSE answer)."""
 
 
 @dataclass(slots=True)
@@ -113,6 +115,18 @@ def divergence(branch: Branch, messages: Sequence[Message], tools_key: str) -> s
     return "parallel call on a busy branch" if branch.busy else "prompt resent with new messages after a failed call"
 
 
+async def _streamed(engine: InferenceEngine, prompt: list[int], sampling: Sampling, on_tokens: OnTokens) -> Completion:
+    """One generate call streamed: `on_tokens` after every delta; the completion is the deltas joined."""
+    deltas: list[TokenDelta] = []
+    ids: list[int] = []
+    async for delta in generate_stream(engine, prompt, sampling):
+        deltas.append(delta)
+        if delta.ids:
+            ids.extend(delta.ids)
+            on_tokens(list(ids))
+    return join_deltas(deltas)
+
+
 def _template(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Call into the chat template; a template that cannot render the messages is the request's fault (400)."""
     try:
@@ -144,8 +158,12 @@ class Session:
 
     # -- chat calls
 
-    async def chat(self, request: ChatRequest, fingerprint: str) -> ChatResult:
-        """Answer one chat call: match it to a branch, generate, record the turn."""
+    async def chat(self, request: ChatRequest, fingerprint: str, on_tokens: OnTokens | None = None) -> ChatResult:
+        """Answer one chat call: match it to a branch, generate, record the turn.
+
+        With `on_tokens` the engine streams (when it can) and `on_tokens` sees the ids sampled so
+        far after each delta; the recorded turn is the same either way (the deltas joined).
+        """
         async with self._lock:
             self._check_open()
             found = self._answers.get(fingerprint)
@@ -161,7 +179,7 @@ class Session:
         if not owner:  # a retry: the first request's answer (awaited while it runs)
             return await asyncio.shield(found)
         try:
-            result = await self._generate(branch, request, prompt_len)
+            result = await self._generate(branch, request, prompt_len, on_tokens)
         except BaseException as e:
             self._answers.pop(fingerprint, None)
             branch.busy = False
@@ -211,13 +229,15 @@ class Session:
         branch.busy = True
         return branch, len(branch.conv.token_ids)
 
-    async def _generate(self, branch: Branch, request: ChatRequest, prompt_len: int) -> ChatResult:
+    async def _generate(
+        self, branch: Branch, request: ChatRequest, prompt_len: int, on_tokens: OnTokens | None = None
+    ) -> ChatResult:
         b = self.backend
         conv = branch.conv
         limit = conv.max_new_tokens()
         max_tokens = min(limit, request.max_tokens) if request.max_tokens else limit
         prompt_ids = list(conv.token_ids) if request.return_token_ids else None
-        completion = await self._sample(conv.token_ids, max_tokens, request.stop, request.seed)
+        completion = await self._sample(conv.token_ids, max_tokens, request.stop, request.seed, on_tokens)
         eos = b.tokenizer.eos_ids
         ids = completion.ids
         text = b.tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids)
@@ -244,7 +264,8 @@ class Session:
         return Message(role="assistant", content=parsed.content, tool_calls=calls)
 
     async def _sample(
-        self, prompt: list[int], max_tokens: int, stop: Sequence[str], seed: int | None
+        self, prompt: list[int], max_tokens: int, stop: Sequence[str], seed: int | None,
+        on_tokens: OnTokens | None = None,
     ) -> Completion:
         b = self.backend
         sampling = Sampling(
@@ -254,7 +275,10 @@ class Session:
         )
         try:
             async with asyncio.timeout(b.generate_timeout_s):
-                completion = await b.engine.generate(list(prompt), sampling)
+                if on_tokens is None:
+                    completion = await b.engine.generate(list(prompt), sampling)
+                else:
+                    completion = await _streamed(b.engine, list(prompt), sampling, on_tokens)
         except TimeoutError:
             raise GatewayError(504, f"the engine did not answer within {b.generate_timeout_s}s", code="engine_timeout") from None
         except (asyncio.CancelledError, GatewayError):

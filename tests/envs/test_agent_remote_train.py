@@ -123,7 +123,7 @@ def docker_client() -> Iterator[Any]:
 
 @pytest.mark.docker
 def test_train_on_episodes_of_an_agent_in_a_docker_container(
-    tmp_path: Path, tiny_llama_path: str, docker_client: Any
+    docker_client: Any, tmp_path: Path, tiny_llama_path: str
 ) -> None:
     port = free_port()
     container = docker_client.containers.run(
