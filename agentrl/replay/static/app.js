@@ -273,7 +273,8 @@ async function showTrajectory(id, params) {
     kv("id", t.id), kv("task", t.task_id), kv("env", t.env), kv("step", fmt(data.step)), kv("status", data.status),
     kv("reward", fmt(t.reward)), kv("terminated", String(t.terminated)), kv("truncated", t.truncated ? `true (${t.truncation_reason || "?"})` : "false"),
     kv("sample", `${t.sample_index}`), kv("seed", fmt(t.seed)), kv("tokens", `${data.tokens.ids.length} (${data.tokens.loss_mask.filter(x => x).length} sampled)`),
-    h("div", {}, h("span", { text: "group" }), t.group_id ? h("a", { href: `#/g/${encodeURIComponent(t.group_id)}`, id: "group-link", text: t.group_id }) : "n/a"));
+    h("div", {}, h("span", { text: "group" }), t.group_id ? h("a", { href: `#/g/${encodeURIComponent(t.group_id)}`, id: "group-link", text: t.group_id }) : "n/a"),
+    branchOf(t.info && t.info.branch));
   const breakdown = Object.keys(t.reward_breakdown || {}).length
     ? h("table", { id: "reward-breakdown" }, h("tbody", {}, Object.entries(t.reward_breakdown).map(([k, v]) => h("tr", {}, h("td", { text: k }), h("td", { class: "num", text: fmt(v) })))))
     : null;
@@ -291,6 +292,13 @@ async function showTrajectory(id, params) {
   else body = conversationView(t, data.layout);
   setMain(header, tabs, body);
   if (tab === "group") await fillGroup(document.getElementById("group-view"), t.group_id, t.id);
+}
+
+// A gateway branch (the agent rewrote its history): a link to the trajectory it branched from, and why.
+function branchOf(branch) {
+  if (!branch || typeof branch !== "object") return null;
+  const parent = branch.parent ? h("a", { href: `#/t/${encodeURIComponent(branch.parent)}`, id: "branch-parent", text: branch.parent }) : "n/a";
+  return h("div", { id: "branch-of" }, h("span", { text: "branch of" }), parent, branch.reason ? ` (${branch.reason})` : "");
 }
 
 function kv(k, v) { return h("div", {}, h("span", { text: k }), v === null || v === undefined ? "n/a" : String(v)); }
@@ -329,7 +337,9 @@ function conversationView(t, layout) {
         const n = L.task_start - L.system_end;
         const examples = t.messages.slice(L.system_end, L.task_start).filter(x => x.role === "user").length;
         demos = h("details", { class: "demos", id: "demonstrations", dataset: { turn: "-1" } },
-          h("summary", { text: `few-shot demonstrations: ${examples} worked example${examples === 1 ? "" : "s"} (${n} messages) in the prompt, not sampled in this episode` }));
+          h("summary", { text: t.info && t.info.branch
+            ? `history this branch was given (${n} messages, as the agent resent it): in the prompt, not sampled on this branch`
+            : `few-shot demonstrations: ${examples} worked example${examples === 1 ? "" : "s"} (${n} messages) in the prompt, not sampled in this episode` }));
         wrap.appendChild(demos);
       }
       demos.appendChild(card);
