@@ -152,6 +152,12 @@ class _Rank:
         for bucket in self.trainer.state_for_engines(dtype=dtype, bucket_mb=bucket_mb).buckets():
             yield [(name, _to_wire(t)) for name, t in bucket]
 
+    def weight_group(self, call: str, *args: Any) -> Any:
+        """Rank 0 in the engines' weight-transfer group: broadcasts straight to vLLM's workers (weight_broadcast)."""
+        from agentrl.trainers.weight_broadcast import rank_call
+
+        return rank_call(self, call, *args)
+
     def drain_weights(self, dtype: Any, bucket_mb: float | None) -> int:
         """FSDP, ZeRO-3, ranks but 0: take part in gathering each tensor rank 0 streams (a collective); returns the count."""
         buckets = self.trainer.state_for_engines(dtype=dtype, bucket_mb=bucket_mb).buckets()
@@ -194,6 +200,18 @@ class _RemoteWeights:
             self.sent_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             self.sent_buckets += 1
             yield bucket
+
+    def weight_sender(self) -> Any:
+        """Rank 0 as the trainer's end of the engines' weight-transfer group (the `collective` transport)."""
+        from agentrl.trainers.weight_broadcast import RankZeroSender
+
+        group = self._group
+        ranks = group._ranks
+
+        def helpers(dtype: Any, bucket_mb: float | None) -> list[Any]:  # FSDP / ZeRO-3: the others gather along
+            return [r.drain_weights.remote(dtype, bucket_mb) for r in ranks[1:]] if group.gathers_weights else []
+
+        return RankZeroSender(ranks[0], self._bucket_mb, helpers)
 
 
 class RayTrainerGroup:

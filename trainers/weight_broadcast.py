@@ -13,7 +13,7 @@ engines orchestrates both ends (`agentrl.engines.weight_transfer`). Here:
 - `LocalWeightSender`: the async `WeightSender` over a broadcaster in this
   process (an in-process `torch` trainer); blocking calls run in a thread,
   each under a deadline.
-- `RankZeroSender` and `BroadcastingRank`: the same for a trainer whose rank 0
+- `RankZeroSender` and `rank_call`: the same for a trainer whose rank 0
   is a Ray actor (the `ray` trainer group): the driver sends only the calls,
   the bytes go from that actor straight to the workers. Under FSDP the other
   ranks iterate the weights along (each tensor is gathered from all of them).
@@ -146,34 +146,33 @@ class LocalWeightSender:
         self._broadcaster.close()
 
 
-class BroadcastingRank:
-    """Mixin for a Ray rank actor that holds `self.trainer`: rank 0's side of a weight-transfer group."""
+def rank_call(rank: Any, call: str, *args: Any) -> Any:
+    """Rank 0's side of a weight-transfer group, for a Ray rank actor holding `rank.trainer`.
 
-    trainer: Any
-    _broadcaster: WeightBroadcaster | None = None
-
-    def weight_group_rendezvous(self) -> tuple[str, int]:
+    The actor forwards `weight_group(call, *args)` here; `call` is rendezvous,
+    connect (a GroupSpec), send (dtype name, bucket MB) or close. The
+    broadcaster (and its group) lives on the actor between calls.
+    """
+    broadcaster: WeightBroadcaster | None = getattr(rank, "_weight_broadcaster", None)
+    if broadcaster is None:
+        broadcaster = rank._weight_broadcaster = WeightBroadcaster()
+    if call == "rendezvous":
         return WeightBroadcaster.rendezvous()
-
-    def weight_group_connect(self, spec: GroupSpec) -> None:
-        if self._broadcaster is None:
-            self._broadcaster = WeightBroadcaster()
-        self._broadcaster.connect(spec)
-
-    def weight_group_send(self, dtype: str, bucket_mb: float | None) -> dict[str, float]:
-        if self._broadcaster is None:
-            raise RuntimeError("weight_group_send before weight_group_connect")
-        torch_dtype = getattr(torch, dtype)
-        source = self.trainer.state_for_engines(dtype=torch_dtype, bucket_mb=bucket_mb)
-        return self._broadcaster.send(source_buckets(source, torch_dtype), torch_dtype)
-
-    def weight_group_close(self) -> None:
-        if self._broadcaster is not None:
-            self._broadcaster.close()
+    if call == "connect":
+        broadcaster.connect(args[0])
+        return None
+    if call == "send":
+        dtype = getattr(torch, args[0])
+        source = rank.trainer.state_for_engines(dtype=dtype, bucket_mb=args[1])
+        return broadcaster.send(source_buckets(source, dtype), dtype)
+    if call == "close":
+        broadcaster.close()
+        return None
+    raise ValueError(f"weight_group: unknown call {call!r}")
 
 
 class RankZeroSender:
-    """`WeightSender` for a trainer whose rank 0 is a Ray actor mixing in `BroadcastingRank`.
+    """`WeightSender` for a trainer whose rank 0 is a Ray actor with `weight_group(call, *args)` (see `rank_call`).
 
     `helpers(dtype, bucket_mb)` starts the other ranks' part of a send (under
     FSDP / ZeRO-3 they iterate the weights along to gather each tensor) and
@@ -182,19 +181,22 @@ class RankZeroSender:
 
     local = False
 
-    def __init__(self, rank0: Any, bucket_mb: float | None, helpers: Callable[[str, float | None], list[Any]]) -> None:
+    def __init__(self, rank0: Any, bucket_mb: float | None, helpers: Callable[[Any, float | None], list[Any]]) -> None:
         self._rank0, self._bucket_mb, self._helpers = rank0, bucket_mb, helpers
 
     async def rendezvous(self) -> tuple[str, int]:
-        host, port = await self._rank0.weight_group_rendezvous.remote()
+        host, port = await self._rank0.weight_group.remote("rendezvous")
         return str(host), int(port)
 
     async def connect(self, spec: GroupSpec) -> None:
         async with asyncio.timeout(spec.timeout_s + 5):
-            await self._rank0.weight_group_connect.remote(spec)
+            await self._rank0.weight_group.remote("connect", spec)
 
     async def send(self, source: WeightSource, dtype: str, timeout_s: float) -> dict[str, float]:
-        refs = [self._rank0.weight_group_send.remote(dtype, self._bucket_mb), *self._helpers(dtype, self._bucket_mb)]
+        refs = [
+            self._rank0.weight_group.remote("send", dtype, self._bucket_mb),
+            *self._helpers(getattr(torch, dtype), self._bucket_mb),
+        ]
         try:
             async with asyncio.timeout(timeout_s):
                 results = await asyncio.gather(*refs)
@@ -208,7 +210,7 @@ class RankZeroSender:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(30):
-                await self._rank0.weight_group_close.remote()
+                await self._rank0.weight_group.remote("close")
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:

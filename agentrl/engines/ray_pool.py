@@ -8,21 +8,46 @@ places one vLLM engine per GPU across a cluster). Requests are routed by
 and a GRPO group's siblings go to the replica whose prefix cache holds their
 prefix, unless that replica is overloaded or the others hold as much of it.
 
-Weight updates put each bucket of the trainer's tensors into Ray's object
-store once, and every replica loads them through its own engine's
-`update_weights` (in place, per-token versions as that engine gives them);
-the pool's version moves when all replicas serve it.
+Weights reach the replicas by `weight_transport` (see `weight_transfer`):
+
+- `collective` (what `auto` picks for vLLM replicas): the trainer's rank 0 and
+  every vLLM worker of every replica form one process group, and rank 0
+  broadcasts the buckets straight into the workers through vLLM's
+  weight-transfer API; the pool only orchestrates (rendezvous, ranks,
+  version), no byte passes through it or the object store. The group is
+  formed at the first sync and formed anew (a fresh rendezvous, every member
+  joining again) whenever its membership changes: a gloo or nccl group cannot
+  take a new member.
+- `object_store` (what `auto` picks for other replicas, e.g. hf): each bucket
+  goes into Ray's object store once, and every replica loads them through its
+  own engine's `update_weights`.
+
+Either way each replica serves the new weights in place with per-token
+versions as its engine gives them; the pool's version moves when all live
+replicas serve it.
 
 A replica that dies (its process killed, its node lost) is marked dead: the
 request it was serving is sent once more to a live replica (a generate call
 has no side effects) and later requests avoid it. In the background the pool
 then starts a new replica in its place (up to `max_restarts` times per
-replica), loads the weights of the current policy version into it (the pool
-keeps the object-store copy of the last update for this) and only then routes
-to it again, so a restarted replica never serves stale weights. When every
-replica is dead, requests wait for a restart (within their deadline) instead
-of failing. `health()` and `stats()` report all of it. Ray is imported only
-when the pool is built.
+replica), loads the weights of the current policy version into it and only
+then routes to it again, so a restarted replica never serves stale weights.
+With `object_store` the pool keeps the object-store copy of the last update
+for this; with `collective` the new replica joins the group at the next sync
+and is routed to once that sync has loaded it (the trainer's weights are read
+only at syncs, never while a training step changes them). When every replica
+is dead, requests wait for a restart (within their deadline) instead of
+failing.
+
+A collective sync has deadlines throughout: each member's part must end
+within `update_timeout_s` (the group's own collective timeout too). A replica
+that died, or that no longer answers a short ping after the deadline (hung),
+is named in a warning and in `health()`, killed and replaced; the sync is
+then run again, over a new group, for the replicas that are still fine, so
+the run goes on. Only when no replica could take the weights does
+`update_weights` raise (`WeightSyncError`, naming each replica and what
+happened to it). `health()` and `stats()` report all of it. Ray is imported
+only when the pool is built.
 """
 
 from __future__ import annotations
@@ -34,7 +59,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from agentrl.engines.base import (
     BusyClock,
@@ -45,11 +70,22 @@ from agentrl.engines.base import (
     WeightSource,
 )
 from agentrl.engines.routing import PrefixRouter
+from agentrl.engines.weight_transfer import (
+    GroupSpec,
+    Transport,
+    WeightSender,
+    WeightSyncError,
+    check_transport,
+    sender_of,
+    together,
+)
 from agentrl.ray_runtime import actor_died, require_free, start_or_join
 from agentrl.registry import PluginRef, Plugins
 from agentrl.types import JSON, Completion
 
 log = logging.getLogger(__name__)
+_POOL_TRANSPORTS = ("auto", "collective", "object_store")
+_PING_S = 10.0  # how long a replica has to answer after a failed sync before it counts as hung
 
 
 class ReplicaSpec(PluginRef):
@@ -84,6 +120,33 @@ class _Replica:
     async def health(self) -> EngineHealth:
         health: EngineHealth = await self.engine.health()
         return health
+
+    # the collective transport (a vllm engine): this replica's workers in the trainer's weight-transfer group
+
+    def weight_workers(self) -> int:
+        return int(self._collective().weight_workers())
+
+    def serving_dtype(self) -> str:
+        return str(self._collective().serving_dtype())
+
+    async def join_weight_group(self, init_info: dict[str, Any]) -> None:
+        await self._collective().join_weight_group(init_info)
+
+    async def receive_weights(self, version: int) -> None:
+        await self._collective().receive_weights(version)
+
+    async def leave_weight_group(self) -> None:
+        await self._collective().leave_weight_group()
+
+    async def ping(self) -> bool:
+        """True when the engine answers (its model process included, where it has one)."""
+        ping = getattr(self.engine, "ping", None)
+        return bool(await ping()) if ping is not None else True
+
+    def _collective(self) -> Any:
+        if not hasattr(self.engine, "join_weight_group"):
+            raise WeightSyncError(f"engine {type(self.engine).__name__} cannot join a weight-transfer group")
+        return self.engine
 
     def node(self) -> str:
         """The Ray node this replica runs on."""
@@ -151,6 +214,26 @@ class RayEnginePool:
         restart_backoff_s: float = Field(
             default=5.0, ge=0, description="seconds between two attempts to restart the same replica"
         )
+        weight_transport: Transport = Field(
+            default="auto",
+            description="how trainer weights reach the replicas: collective (the trainer's rank 0 broadcasts "
+            "into every vLLM worker over one process group, vLLM's weight-transfer API), object_store (Ray's "
+            "object store, any replica engine), auto (collective for vllm replicas, else object_store)",
+        )
+
+        @field_validator("weight_transport")
+        @classmethod
+        def _transport(cls, value: str) -> str:
+            return check_transport(value, key="engine.weight_transport", allowed=_POOL_TRANSPORTS)
+
+        @model_validator(mode="after")
+        def _collective_needs_vllm(self) -> RayEnginePool.Config:
+            if self.weight_transport == "collective" and self.replica.name != "vllm":
+                raise ValueError(
+                    f"engine.weight_transport=collective needs vllm replicas (engine.replica.name="
+                    f"{self.replica.name!r} cannot join vLLM's weight transfer); use object_store or auto"
+                )
+            return self
 
     def __init__(self, config: RayEnginePool.Config | None = None, *, plugins: Plugins | None = None) -> None:
         """Start the replicas; `plugins` is the run's registry (default: installed plugins) for `replica.name`."""
@@ -173,6 +256,8 @@ class RayEnginePool:
             params["model"] = cfg.model
         if "dtype" in fields:
             params.setdefault("dtype", cfg.dtype)
+        if "update_timeout_s" in fields:  # a replica's part of a sync has the pool's deadline
+            params.setdefault("update_timeout_s", cfg.update_timeout_s)
         self._actor = ray.remote(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, max_restarts=0)(_Replica)
         self._engine_cls, self._params = engine_cls, params
         self._replicas = [self._new_replica() for _ in range(cfg.replicas)]
@@ -189,6 +274,14 @@ class RayEnginePool:
         self._nodes: list[str] = []  # the Ray node of each replica
         self._busy = [BusyClock() for _ in range(cfg.replicas)]  # per replica: time with a request of ours there
         self._update_lock: asyncio.Lock | None = None
+        # the collective transport: the trainer's end of the group, the replica handles in it (in rank order),
+        # their worker counts, and replacements waiting for the next sync to load them
+        self._sender: WeightSender | None = None
+        self._members: list[Any] = []
+        self._workers: dict[Any, int] = {}
+        self._awaiting: dict[int, asyncio.Future[None]] = {}
+        self._collective_used = False
+        self.sync_failures: list[str] = []  # what went wrong in collective syncs, one line per replica failure
         self._closed = False
         try:
             # a replica's first call returns once its engine is built (or raises what building it raised)
@@ -232,7 +325,24 @@ class RayEnginePool:
                     self._router.release(replica, served)
                     self._busy[replica].leave()
 
+    def transport_for(self, weights: WeightSource) -> str:
+        """The transport the pool uses for `weights` (`weight_transport`, with `auto` resolved)."""
+        chosen = self.config.weight_transport
+        if chosen == "auto":
+            vllm = self.config.replica.name == "vllm"
+            return "collective" if vllm and sender_of(weights) is not None else "object_store"
+        return chosen
+
     async def update_weights(self, weights: WeightSource, version: int) -> None:
+        """Every live replica (and each replacement waiting for weights) loads `weights`, then serves `version`."""
+        if self._closed:
+            raise EngineClosed("ray engine pool is closed")
+        if self.transport_for(weights) == "collective":
+            await self._collective_update(weights, version)
+            return
+        await self._object_store_update(weights, version)
+
+    async def _object_store_update(self, weights: WeightSource, version: int) -> None:
         """Put each bucket into the object store once; every live replica loads them all."""
         import ray
 
@@ -253,6 +363,139 @@ class RayEnginePool:
             if not any(self._router.alive) and not self._restarting:
                 raise ReplicaDied("every engine replica is dead")
 
+    # -- the collective transport -------------------------------------------------------------
+
+    async def _collective_update(self, weights: WeightSource, version: int) -> None:
+        """Broadcast `weights` from the trainer's rank 0 into every target replica; replace the ones that fail.
+
+        Targets are the live replicas and the replacements waiting for weights.
+        A failed attempt names each replica that died or hung (they are killed
+        and replaced) and runs again, over a new group, for the others (the
+        trainer is at a sync point: its weights do not move meanwhile).
+        """
+        sender = self._sender or sender_of(weights)
+        if sender is None:
+            raise ValueError(
+                f"engine.weight_transport=collective: the trainer's weights ({type(weights).__name__}) cannot be "
+                "broadcast (no weight_sender()); use weight_transport=object_store"
+            )
+        self._sender, self._collective_used = sender, True
+        async with self._updating():
+            for attempt in (1, 2):
+                targets = await self._targets_or_wait()
+                if not targets:
+                    break
+                failures = await self._attempt(sender, targets, weights, version)
+                if not failures:
+                    for i in targets:
+                        self._router.revive(i)
+                        waiting = self._awaiting.pop(i, None)
+                        if waiting is not None and not waiting.done():
+                            waiting.set_result(None)
+                    self.policy_version = version
+                    return
+                log.warning("collective weight sync to version %d (attempt %d): %s", version, attempt, "; ".join(failures))
+            recent = "; ".join(self.sync_failures[-len(self._router.alive) :]) or "every replica is dead"
+            raise WeightSyncError(f"collective weight sync to version {version} reached no engine replica: {recent}")
+
+    def _targets(self) -> list[int]:
+        return [i for i, ok in enumerate(self._router.alive) if ok] + sorted(self._awaiting)
+
+    async def _targets_or_wait(self) -> list[int]:
+        """The replicas to sync; when none is live but some restart, wait (update_timeout_s) for one to be built."""
+        deadline = asyncio.get_running_loop().time() + self.config.update_timeout_s
+        while not self._targets() and self._restarting and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.5)
+        return self._targets()
+
+    async def _attempt(self, sender: WeightSender, targets: list[int], weights: WeightSource, version: int) -> list[str]:
+        """One sync of `targets` (forming the group first when its members changed); what failed, per replica."""
+        timeout = self.config.update_timeout_s
+        handles = [self._replicas[i] for i in targets]
+        outcomes: dict[int, BaseException | None] = {}
+        sent: BaseException | None = None
+        try:
+            if handles != self._members:
+                await self._form_group(sender, handles, timeout)
+            dtype = await _within(handles[0].serving_dtype.remote(), timeout)
+            calls = {i: asyncio.ensure_future(_within(h.receive_weights.remote(version), timeout + 5))
+                     for i, h in zip(targets, handles, strict=True)}  # fmt: skip
+            sending = asyncio.ensure_future(sender.send(weights, str(dtype), timeout))
+            await asyncio.wait([*calls.values(), sending])
+            outcomes = {i: call.exception() for i, call in calls.items()}
+            sent = sending.exception()
+        except Exception as e:  # forming the group failed: the probes below find out who is to blame
+            outcomes, sent = {}, e
+        if sent is None and all(e is None for e in outcomes.values()):
+            return []
+        await self._drop_group(sender)
+        return await self._blame(targets, handles, outcomes, sent, version)
+
+    async def _form_group(self, sender: WeightSender, handles: list[Any], timeout: float) -> None:
+        """A fresh group of the trainer's rank 0 and every worker of `handles` (ranks in that order)."""
+        await self._drop_group(sender)
+        for h in handles:
+            if h not in self._workers:
+                self._workers[h] = int(await _within(h.weight_workers.remote(), timeout))
+        host, port = await sender.rendezvous()
+        offsets, rank = [], 1
+        for h in handles:
+            offsets.append(rank)
+            rank += self._workers[h]
+        spec = GroupSpec(host, port, rank, timeout)
+        joins = [_within(h.join_weight_group.remote(spec.worker_init(o)), timeout + 15)
+                 for h, o in zip(handles, offsets, strict=True)]  # fmt: skip
+        await together(sender.connect(spec), *joins)
+        self._members = list(handles)
+
+    async def _drop_group(self, sender: WeightSender) -> None:
+        """Leave the current group on every end (best effort: a member may be dead)."""
+        members, self._members = self._members, []
+        await sender.close()
+        if members:
+            await asyncio.gather(*(_within(h.leave_weight_group.remote(), 40) for h in members), return_exceptions=True)
+
+    async def _blame(
+        self, targets: list[int], handles: list[Any], outcomes: dict[int, BaseException | None],
+        sent: BaseException | None, version: int,
+    ) -> list[str]:
+        """Name what failed; kill and replace replicas that died or hung; the rest wait for the retry."""
+        import ray
+
+        failures = []
+        for i, h in zip(targets, handles, strict=True):
+            exc = outcomes.get(i)
+            if exc is not None and actor_died(exc):
+                what: str | None = f"died ({_gist(exc)})"
+            else:
+                what = await _probe(h, self.config.update_timeout_s)
+            if what is None:
+                continue  # it answers: the failure was another member's; it takes part in the retry
+            with contextlib.suppress(Exception):
+                ray.kill(h)  # a hung replica holds its resources until killed
+            line = f"engine replica {i} (node {self._node_of(i)}) {what} during the weight sync to version {version}"
+            failures.append(line)
+            self.sync_failures.append(line)
+            if i in self._awaiting:  # a replacement that failed its first load: its restart tries again
+                waiting = self._awaiting.pop(i)
+                if not waiting.done():
+                    waiting.set_exception(WeightSyncError(line))
+            else:
+                self._lost(i, h, WeightSyncError(line))
+        if not failures:  # every replica answers: the trainer's side failed
+            cause = sent or next(e for e in outcomes.values() if e is not None)
+            line = f"the trainer's rank 0 could not broadcast version {version}: {_gist(cause)}"
+            self.sync_failures.append(line)
+            raise WeightSyncError(line) from cause
+        for i in targets:  # the others may hold half-loaded weights: no requests until the retry loads them
+            if self._router.alive[i]:
+                self._router.mark_dead(i)
+                self._awaiting.setdefault(i, asyncio.get_running_loop().create_future())
+        return failures
+
+    def _node_of(self, replica: int) -> str:
+        return self._nodes[replica] if replica < len(self._nodes) else "?"
+
     def busy_seconds(self) -> float:
         """Mean over replicas of the time each had a request in flight (what `rollout/engine_busy` reads)."""
         return sum(clock.seconds() for clock in self._busy) / len(self._busy)
@@ -266,6 +509,7 @@ class RayEnginePool:
             "replicas_restarting": float(len(self._restarting)),
             "replica_restarts": float(self.restarted),
             "retried_requests": float(self.retried),
+            "weight_sync_failures": float(len(self.sync_failures)),
         }
 
     async def health(self) -> EngineHealth:
@@ -292,6 +536,8 @@ class RayEnginePool:
                 "retried_on_dead_replica": self.retried,
                 "requests_per_replica": list(router.routed),
                 "replica_nodes": list(self._nodes),
+                "replicas_awaiting_weights": sorted(self._awaiting),
+                "weight_sync_failures": list(self.sync_failures[-10:]),
             },
         )
 
@@ -334,10 +580,14 @@ class RayEnginePool:
             try:
                 async with asyncio.timeout(cfg.start_timeout_s):
                     self._nodes[replica] = await handle.node.remote()  # returns once its engine is built
-                async with asyncio.timeout(cfg.update_timeout_s), self._updating():
-                    if self._weights:
-                        await handle.update_weights.remote(self._weights, self.policy_version)
-                    self._router.revive(replica)
+                if self._collective_used:  # the next sync forms a new group with it and loads it
+                    waiting = self._awaiting[replica] = asyncio.get_running_loop().create_future()
+                    await waiting
+                else:
+                    async with asyncio.timeout(cfg.update_timeout_s), self._updating():
+                        if self._weights:
+                            await handle.update_weights.remote(self._weights, self.policy_version)
+                        self._router.revive(replica)
                 self.restarted += 1
                 log.warning("engine replica %d restarted (attempt %d) at policy version %d",
                             replica, self._attempts[replica], self.policy_version)  # fmt: skip
@@ -350,9 +600,10 @@ class RayEnginePool:
     async def _until_a_replica_lives(self) -> None:
         """Return when some replica is alive; wait for restarts when none is; ReplicaDied when none will be."""
         while not any(self._router.alive):
-            if not self._restarting:
+            waits: list[asyncio.Future[Any]] = [*self._restarting.values(), *self._awaiting.values()]
+            if not waits:
                 raise ReplicaDied("every engine replica is dead and none is being restarted")
-            await asyncio.wait(list(self._restarting.values()), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
 
     async def close(self) -> None:
         """Close every live replica's engine, then end the actors (and the local Ray this pool started)."""
@@ -361,6 +612,8 @@ class RayEnginePool:
         self._closed = True
         for task in list(self._restarting.values()):
             task.cancel()
+        if self._sender is not None:
+            await self._sender.close()
         live = [self._replicas[i] for i, ok in enumerate(self._router.alive) if ok]
         try:
             async with asyncio.timeout(self.config.update_timeout_s):
@@ -381,6 +634,35 @@ class RayEnginePool:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _within(ref: Any, timeout_s: float) -> Any:
+    """A remote call's result, or TimeoutError after `timeout_s` (the call is cancelled)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await ref
+    except TimeoutError:
+        _cancel(ref)
+        raise
+
+
+async def _probe(handle: Any, deadline_s: float) -> str | None:
+    """None when a replica (its actor and its engine) answers a ping within _PING_S; else what is wrong with it."""
+    try:
+        if await _within(handle.ping.remote(), _PING_S):
+            return None
+        return "its engine is dead"
+    except TimeoutError:
+        return f"hung: no answer within engine.update_timeout_s={deadline_s}s nor to a {_PING_S:.0f}s ping afterwards"
+    except Exception as e:
+        return f"died ({_gist(e)})" if actor_died(e) else f"failed ({_gist(e)})"
+
+
+def _gist(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)  # RayTaskError carries the replica's own exception
+    inner = cause if isinstance(cause, BaseException) else exc
+    lines = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {lines[0] if lines else 'no message'}"
 
 
 def _cancel(ref: Any) -> None:

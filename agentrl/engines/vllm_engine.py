@@ -427,6 +427,13 @@ class VLLMEngine:
         (prefix-cache hit share, prompt tokens, preemptions), for `rollout/engine/<key>`."""
         return self._scheduler.stats()
 
+    async def ping(self) -> bool:
+        """True when vLLM's engine process answers a cheap call (a hung one never does: callers set a deadline)."""
+        if self._closed or self._llm.errored:
+            return False
+        await self._llm.get_weight_version()
+        return True
+
     async def health(self) -> EngineHealth:
         return EngineHealth(
             ok=not self._closed and self._llm is not None and not self._llm.errored and not self._half_loaded,
