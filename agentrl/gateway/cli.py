@@ -7,6 +7,10 @@ settings from its `env.gateway` (when the env is `agent`), overridden by
 reward with ``POST /s/{id}/reward`` and end it with ``POST /s/{id}/close``;
 each closed episode's trajectories (one per branch) go into the store of a
 run directory, where `agentrl replay` shows them.
+
+This is the same `Gateway` a training run serves in remote mode (`env: {name:
+agent, mode: remote}`), without the training: there the run offers the episodes
+(``POST /episodes``) and agents cannot open their own (docs/gateway.md).
 """
 
 from __future__ import annotations
