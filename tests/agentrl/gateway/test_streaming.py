@@ -164,3 +164,24 @@ async def test_hf_engine_streams_the_tokens_it_would_generate(tiny_llama_path: s
             plain.token_ids, plain.loss_mask, plain.logprobs, plain.versions)
     finally:
         await engine.close()
+
+
+@pytest.mark.slow
+async def test_leaving_an_hf_stream_early_drops_its_request(tiny_llama_path: str) -> None:
+    from agentrl.engines.hf import HFEngine
+
+    tokenizer = HFChatTokenizer.from_pretrained(tiny_llama_path)
+    engine = HFEngine(HFEngine.Config(model=tiny_llama_path, dtype="fp32", stop_on_eos=False))
+    try:
+        stream = engine.generate_stream(tokenizer.encode("Go on forever."), Sampling(max_tokens=1500, seed=1))
+        first = [await anext(stream), await anext(stream)]
+        assert [len(d.ids) for d in first] == [1, 1] and first[1].finish_reason is None
+        await stream.aclose()
+        async with asyncio.timeout(60):
+            while (await engine.health()).in_flight:
+                await asyncio.sleep(0.01)
+        assert engine.tokens_generated < 1500  # the worker dropped the row instead of decoding it to the end
+        done = await engine.generate(tokenizer.encode("Hi"), Sampling(max_tokens=3, seed=2))
+        assert len(done.ids) == 3  # the engine serves on
+    finally:
+        await engine.close()
