@@ -59,7 +59,7 @@ class Models:
     processes: World  # every process (SP ranks included)
     fsdp: bool  # parameters sharded over `processes`
     zero: ZeroEngine | None  # data_parallel=deepspeed: the policy's DeepSpeed engine (with its optimizer)
-    collective: bool  # every forward and every read of the weights is a collective (FSDP, ZeRO-3)
+    collective: bool  # every forward/backward is a collective: ranks run as many (FSDP, DeepSpeed ZeRO)
     grad_scale: int  # a loss is multiplied by this so that the gradient reduction (a mean) gives the sum
     pad_id: int
     autocast_dtype: torch.dtype | None
@@ -188,7 +188,8 @@ def build_models(config: TrainerConfig, model_path: str, device: str, world: Wor
         processes=processes,
         fsdp=fsdp,
         zero=zero_engine,
-        collective=fsdp or (zero is not None and zero.zero_stage == 3 and processes.size > 1),
+        # ZeRO reduces (ZeRO-2) or gathers (ZeRO-3) in every backward, not only at the accumulation boundary
+        collective=fsdp or (zero is not None and processes.size > 1),
         grad_scale=processes.size if fsdp else world.size,
         pad_id=pad_id,
         autocast_dtype=autocast_dtype,
