@@ -292,6 +292,7 @@ class AgentEnv(Env):
                 async with asyncio.timeout(self.config.claim_timeout_s):
                     await offer.claimed.wait()
             except TimeoutError:
+                hub.note_unclaimed()
                 error = EpisodeError(ErrorClass.AGENT, f"no remote agent claimed the episode within "
                                      f"env.claim_timeout_s={self.config.claim_timeout_s:g}s (agents claim episodes "
                                      f"with POST {gateway.url}/episodes; {hub.board.waiting} unclaimed now)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from agentrl.gateway.session import Backend, Session
 from agentrl.types import JSON
 
 log = logging.getLogger(__name__)
+UNCLAIMED_WARN_EVERY_S = 60.0
 
 
 @dataclass(eq=False)
@@ -129,6 +131,8 @@ class RemoteAgents:
         self.board = EpisodeBoard()
         self.gateway: Gateway | None = None
         self._starting = asyncio.Lock()
+        self.unclaimed = 0  # episodes no agent claimed in time, this run
+        self._warned_at = -UNCLAIMED_WARN_EVERY_S
 
     async def start(self, backend: Backend) -> Gateway:
         """The running gateway (started now with `backend` as its default when it is not running yet)."""
@@ -139,6 +143,16 @@ class RemoteAgents:
                 self.gateway = gateway
                 log.warning("agentrl gateway for remote agents: %s (claim episodes with POST /episodes)", gateway.url)
             return self.gateway
+
+    def note_unclaimed(self) -> None:
+        """Count an episode no agent claimed; say so on the log (at most every `UNCLAIMED_WARN_EVERY_S`)."""
+        self.unclaimed += 1
+        now = time.monotonic()
+        if now - self._warned_at >= UNCLAIMED_WARN_EVERY_S:
+            self._warned_at = now
+            url = self.gateway.url if self.gateway is not None else "(not started)"
+            log.warning("remote agents: %d episode(s) went unclaimed so far, %d wait now: are agents claiming "
+                        "from %s/episodes?", self.unclaimed, self.board.waiting, url)
 
     async def _on_close(self, session: Session) -> dict[str, Any]:
         self.board.session_closed(session)

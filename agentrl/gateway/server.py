@@ -361,7 +361,8 @@ class Gateway:
             return web.Response(status=204)
         session = offer.session
         return web.json_response({"id": session.id, "api_key": session.key, "base_url": self.base_url(session),
-                                  "session_url": f"{self.url}/s/{session.id}", "task": offer.task})
+                                  "session_url": f"{self.url}/s/{session.id}", "task": offer.task},
+                                 dumps=_dumps_any)
 
     async def _reward(self, request: web.Request) -> web.Response:
         session = self._session(request)
@@ -397,6 +398,11 @@ class Gateway:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "sessions": len(self.sessions), "time": time.time()})
+
+
+def _dumps_any(value: Any) -> str:
+    """JSON of a task as an agent gets it (a value JSON cannot hold becomes its string)."""
+    return json.dumps(value, default=str)
 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:

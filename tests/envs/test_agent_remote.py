@@ -136,7 +136,7 @@ async def test_an_episode_no_agent_claims_fails_with_class_agent(
     [traj] = await _drive(env, engine, tokenizer)
     assert traj.error is not None and traj.error.kind is ErrorClass.AGENT
     assert "no remote agent claimed the episode within env.claim_timeout_s=0.3s" in traj.error.message
-    assert traj.token_ids == [] and engine.calls == 0
+    assert traj.token_ids == [] and engine.calls == 0 and env.remote_agents().unclaimed == 1
     assert RolloutConfig().on_error[ErrorClass.AGENT].value == "retry"
     async with httpx.AsyncClient() as http:  # the offer was withdrawn: nothing left to claim
         assert (await claim(http, env.remote_agents().gateway.url, wait_s=0)).status_code == 204  # type: ignore[union-attr]
