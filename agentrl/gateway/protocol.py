@@ -347,12 +347,16 @@ class ContentStream:
         self.markers = markers
         self.strip = strip
         self.sent = ""
+        self.text = ""  # the reply decoded so far (up to `_read` tokens)
+        self._prefix = 0  # decoding restarts this many tokens back, so a token's text is read in context
+        self._read = 0
 
     def feed(self, ids: list[int]) -> str:
         """The new content for the ids sampled so far ("" when nothing can be sent yet)."""
         if self.markers is None:
             return ""
-        text = self.decode(ids[:-1] if ids and ids[-1] in self.eos else ids)
+        self._decode_new(ids[:-1] if ids and ids[-1] in self.eos else ids)
+        text = self.text
         cut = len(text)
         for marker in self.markers:
             at = text.find(marker)
@@ -362,12 +366,25 @@ class ContentStream:
                 if text.endswith(marker[:k]):
                     cut = min(cut, len(text) - k)
                     break
-        visible = text[:cut].rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next token
-        visible = visible.strip() if self.strip else visible
+        visible = text[:cut].strip() if self.strip else text[:cut]
         if not visible.startswith(self.sent):
             return ""  # the decoded text changed behind what was sent: the rest comes at the end
         piece, self.sent = visible[len(self.sent) :], visible
         return piece
+
+    def _decode_new(self, ids: list[int]) -> None:
+        """Extend `text` by the new tokens' text, decoding only a window (never the whole reply again).
+
+        The text of the tokens since `_read` is the decode of the window from `_prefix` minus the
+        decode of its first part; it waits while it ends in an incomplete UTF-8 character.
+        """
+        if len(ids) <= self._read:
+            return
+        before = self.decode(ids[self._prefix : self._read])
+        now = self.decode(ids[self._prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before) :]
+            self._prefix, self._read = self._read, len(ids)
 
 
 def chat_chunks(result: ChatResult, request: ChatRequest, model: str, decode: Any) -> Iterator[dict[str, Any]]:

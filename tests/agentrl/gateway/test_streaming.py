@@ -16,12 +16,31 @@ from agentrl.chat import Budgets, HFChatTokenizer
 from agentrl.engines.base import Sampling, TokenDelta, generate_stream, join_deltas
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.gateway import Gateway, GatewayConfig
+from agentrl.gateway.protocol import STREAM_MARKERS, ContentStream
 from agentrl.types import Completion
 
 pytestmark = pytest.mark.model
 
 REPLY = "The answer is forty two, said the model."
 CALL = 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text", ["Price: 12€, naïve café — 東京タワー 🚀 ok", "  spaced  out  ", CALL, "a <tool_c"])
+def test_content_stream_adds_up_to_the_parsed_content(chat_tokenizer: HFChatTokenizer, text: str) -> None:
+    """Fed one token at a time (multi-byte characters split across tokens), the deltas add up to the
+    non-streamed content; the text of a tool call, and a tail that may begin one, never go out early."""
+    from agentrl.tool_parsers import HermesParser
+
+    ids = [*chat_tokenizer.encode(text), chat_tokenizer.eos_ids[0]]
+    stream = ContentStream(chat_tokenizer.decode, chat_tokenizer.eos_ids, STREAM_MARKERS["hermes"], strip=True)
+    pieces = [stream.feed(ids[: i + 1]) for i in range(len(ids))]
+    parsed = HermesParser().parse(text)
+    expected = parsed.content if parsed.tool_calls else text.strip()
+    if text == "a <tool_c":  # the tail could still become a call: it waits for the end
+        assert "".join(pieces) == "a" and parsed.content == "a <tool_c"
+    else:
+        assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
+    assert all("\ufffd" not in p and "<tool" not in p for p in pieces)
 
 
 class GatedEngine:
