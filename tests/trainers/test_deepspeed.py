@@ -143,10 +143,13 @@ def test_lora_kl_epochs_and_offload_step_and_resume_like_one_process(
         for seed in (7, 8):
             got, want = group.train_step(build.groups(3, 3, seed=seed)).metrics, single.train_step(build.groups(3, 3, seed=seed)).metrics
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
-            assert got["kl/loss"] == pytest.approx(want["kl/loss"], rel=1e-3, abs=1e-9)
+            # LoRA: the first step's KL is 0 (B starts at 0) and the second's ~1e-5, from adapters whose first
+            # Adam step moved every element by +-lr, so summation order shows at 1e-3 of it: FSDP and DDP ranks
+            # measured 1.34253e-05 and 1.34776e-05 against one process's 1.34834e-05, ZeRO-2 1.34253e-05
+            assert got["kl/loss"] == pytest.approx(want["kl/loss"], rel=1e-2 if "lora" in config else 1e-3, abs=1e-9)
             if seed == 7:
                 _assert_same_weights(_weights(group), _weights(single), atol=ADAM_ROUNDING_ATOL)
-        assert got["kl/loss"] > 0  # the reference is in the loss
+        assert got["kl/loss"] != 0  # the reference is in the loss (k1 may have either sign)
         _assert_resume_repeats_the_next_step(group, tmp_path / "ckpt", build)
         lora = "lora" in config
         assert (tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors").is_file() == lora
