@@ -59,7 +59,7 @@ def test_reduced_comparison_runs_all_three_estimators(
         "rollout.group_size=2", "rollout.groups_per_step=1", "rollout.max_turns=2", "env.max_steps=2",
         "rollout.max_new_tokens_per_turn=4", "run.loggers=[jsonl]",
     ]  # fmt: skip
-    code = bench.main(["--out", str(out), "--timeout-s", "600", *tiny])
+    code = bench.main(["--out", str(out), "--timeout-s", "900", "--threads", "1", *tiny])
     text = capsys.readouterr().out
     logs = {p.name: p.read_text()[-2000:] for p in out.glob("*.log")}
     assert code == 0, (text, logs)
