@@ -148,6 +148,7 @@ def build_models(config: TrainerConfig, model_path: str, device: str, world: Wor
             sp_groups=sp_groups,
             processes=processes,
             pad_token_id=pad_id,
+            zero=zero,
         )
     if sp_groups is not None:
         from agentrl.trainers.sequence_parallel import patch_model_for_sp

@@ -7,6 +7,7 @@ Layout of a checkpoint directory:
   trainer_state.pt     optimizer, scheduler, step, policy_version, critic (if any)
   deepspeed/           data_parallel=deepspeed only: DeepSpeed's own checkpoint, each rank's partition of
                        the optimizer state and master weights (what resume loads, with as many ranks)
+  critic_deepspeed/    the same for the critic (advantage: gae under data_parallel=deepspeed)
   rng_rank{R}.pt       python / numpy / torch (and CUDA) RNG states of process R (SP ranks included)
   extra_state.json     the caller's JSON state (data cursor, rollout state, …)
 The directory is written under a temporary name and renamed, so a crash never
@@ -49,7 +50,9 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     optimizer: Any = None  # DeepSpeed: each rank's partition, written by the engine below
     if zero is None:
         optimizer = whole_optimizer_state(trainer.model, trainer.optimizer) if trainer.fsdp else trainer.optimizer.state_dict()
-    critic = trainer.critic.state_dict() if trainer.critic is not None else None  # sharded: gathered, every rank
+    critic_zero = trainer.critic.zero if trainer.critic is not None else None
+    # sharded: gathered, every rank; DeepSpeed: its engine writes each rank's partition below
+    critic = trainer.critic.state_dict() if trainer.critic is not None and critic_zero is None else None
     if world.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -78,6 +81,8 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     _barrier(trainer)
     if zero is not None:
         zero.save(tmp / "deepspeed")
+    if critic_zero is not None:
+        critic_zero.save(tmp / "critic_deepspeed")
     torch.save(_rng_state(), tmp / f"rng_rank{world.rank}.pt")
     _barrier(trainer)
     if world.is_main:
@@ -111,7 +116,9 @@ def load_checkpoint(trainer: TorchTrainer, path: str | Path) -> dict[str, Any]:
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = int(state["step"])
     trainer.policy_version = int(state["policy_version"])
-    if trainer.critic is not None:
+    if trainer.critic is not None and trainer.critic.zero is not None:
+        trainer.critic.zero.load(path / "critic_deepspeed")
+    elif trainer.critic is not None:
         if state.get("critic") is None:
             raise ValueError(f"{path}: checkpoint has no critic state but trainer.advantage='gae' needs one")
         trainer.critic.load_state_dict(state["critic"])

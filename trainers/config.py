@@ -380,11 +380,6 @@ class TrainerConfig(_Section):
                 f"trainer.deepspeed is only used by trainer.data_parallel='deepspeed' (got {self.data_parallel!r}): "
                 "remove it or set data_parallel: deepspeed"
             )
-        if self.data_parallel == "deepspeed" and self.advantage == "gae":
-            raise ValueError(
-                "trainer.advantage='gae' does not yet run with trainer.data_parallel='deepspeed' (the critic has "
-                "no DeepSpeed engine); use data_parallel: ddp or fsdp with gae"
-            )
         if self.data_parallel == "deepspeed" and self.sequence_parallel_size > 1:
             raise ValueError(
                 "trainer.data_parallel='deepspeed' does not combine with trainer.sequence_parallel_size="

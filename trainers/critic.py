@@ -5,6 +5,8 @@
 Trained with the clipped value loss, token-mean over the batch's loss tokens.
 Under `data_parallel: fsdp` the value model is sharded like the policy (one
 FSDP unit per transformer block), and its checkpoint state is gathered whole.
+Under `data_parallel: deepspeed` it has a DeepSpeed engine of its own (the
+policy's ZeRO stage and offload), whose partitions each rank checkpoints.
 Under sequence parallelism each rank runs the backbone on its zigzag shard
 of the packed row (ring attention, like the policy) and the values are
 gathered, so every SP rank sees the whole row's values.
@@ -12,13 +14,14 @@ gathered, so every SP rank sees the whole row's values.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from agentrl.trainers.config import CriticConfig
+from agentrl.trainers.config import CriticConfig, DeepSpeedConfig
 from agentrl.trainers.distributed import (
     World,
     full_tensor,
@@ -32,6 +35,13 @@ from agentrl.trainers.distributed import (
 )
 from agentrl.trainers.losses import value_loss
 from agentrl.trainers.packing import PackedBatch
+
+if TYPE_CHECKING:
+    from agentrl.trainers.deepspeed_backend import ZeroEngine
+
+
+_ADAMW_WEIGHT_DECAY = 0.01
+"""The critic's AdamW weight decay (torch's default, which it has always used), under every backend."""
 
 
 class ValueModel(nn.Module):
@@ -85,6 +95,7 @@ class Critic:
         sp_groups: Any = None,
         processes: World | None = None,
         pad_token_id: int = 0,
+        zero: DeepSpeedConfig | None = None,
     ) -> None:
         """`load(auto_cls, path)` loads the backbone (the trainer passes its attention setup).
 
@@ -110,13 +121,25 @@ class Critic:
         self.model = ValueModel(backbone, backbone.config.hidden_size, sp_groups, pad_token_id).to(device)
         self.sharded = shard and processes.size > 1
         self.module: nn.Module = self.model  # FSDP shards in place; under SP gradients are reduced after backward
-        if self.sharded:
+        self.zero: ZeroEngine | None = None
+        if zero is not None:  # its own DeepSpeed engine; every forward goes through it (ZeRO-3 gathers)
+            from agentrl.trainers.deepspeed_backend import ZeroEngine
+
+            self.zero = ZeroEngine(self.model, list(self.model.parameters()), zero, lr=config.lr,
+                                   weight_decay=_ADAMW_WEIGHT_DECAY, max_grad_norm=config.max_grad_norm,
+                                   device=device)  # fmt: skip
+            self.module = self.zero.engine
+        elif self.sharded:
             self.module = fully_shard(self.model, backbone, processes, device)
         elif sp_groups is None:
             self.module = wrap(self.model, self.world, device)
         # scaled so that the gradient reduction (a mean over its ranks) gives the whole batch's sum
         self.grad_scale = processes.size if self.sharded else self.world.size
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+        self.optimizer: torch.optim.Optimizer = (
+            self.zero.optimizer
+            if self.zero is not None
+            else torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=_ADAMW_WEIGHT_DECAY)
+        )
 
     def _autocast(self) -> Any:
         dev = torch.device(self.device).type
@@ -132,9 +155,10 @@ class Critic:
         out: dict[int, torch.Tensor] = {}
         self.model.eval()
         real = len(batches) - extra_forwards
+        forward = self.module if self.zero is not None else self.model
         for k, b in enumerate(batches):
             with self._autocast():
-                v = self.model(b.input_ids.to(self.device), b.position_ids.to(self.device), b.cu_seqlens).float().cpu()
+                v = forward(b.input_ids.to(self.device), b.position_ids.to(self.device), b.cu_seqlens).float().cpu()
             if k >= real:
                 continue
             for i, part in zip(b.sample_indices, b.split(v), strict=True):
@@ -144,16 +168,26 @@ class Critic:
     def update(self, batches: Sequence[PackedBatch], num_tokens: int) -> dict[str, float]:
         """One optimizer step on fields `returns`, `old_values`, `loss_mask`; token-mean over `num_tokens`."""
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is None:
+            self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         for k, b in enumerate(batches):
             b = b.to(self.device)
-            with maybe_no_sync(self.module, sync=k == len(batches) - 1), self._autocast():
+            last = k == len(batches) - 1
+            if self.zero is not None:
+                self.zero.boundary(last)
+            sync = maybe_no_sync(self.module, sync=last) if self.zero is None else contextlib.nullcontext()
+            with sync, self._autocast():
                 v = self.module(b.input_ids, b.position_ids, b.cu_seqlens).float()
                 per_token = value_loss(v, b.fields["old_values"], b.fields["returns"], self.config.value_clip)
                 loss = (per_token * b.fields["loss_mask"]).sum() / max(num_tokens, 1)
-            torch.autograd.backward(loss * self.grad_scale)
+            if self.zero is not None:
+                self.zero.backward(loss * self.grad_scale)
+            else:
+                torch.autograd.backward(loss * self.grad_scale)
             total += loss.detach().double().cpu()
+        if self.zero is not None:  # DeepSpeed clips (critic.max_grad_norm) and steps
+            return {"critic/loss_local": float(total), "critic/grad_norm": self.zero.step()}
         if self.sp_groups is not None and not self.sharded:
             from agentrl.trainers.sequence_parallel import reduce_gradients
 
@@ -166,7 +200,7 @@ class Critic:
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state. Sharded: gathered whole on CPU, complete on rank 0 only
-        (a collective: every rank calls it)."""
+        (a collective: every rank calls it). DeepSpeed: checkpointed by its engine instead (`zero.save`)."""
         if not self.sharded:
             return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {"model": whole_model_state(self.model), "optimizer": whole_optimizer_state(self.model, self.optimizer)}
