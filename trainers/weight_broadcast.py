@@ -61,9 +61,17 @@ class WeightBroadcaster:
     def connected(self) -> bool:
         return self._group is not None
 
-    def send(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], dtype: torch.dtype | None) -> dict[str, float]:
-        """Broadcast every bucket, then the end of the stream; returns bytes, buckets, seconds, peak buffer bytes."""
+    def send(
+        self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], dtype: torch.dtype | None,
+        bucket_bytes: int = 256 << 20,
+    ) -> dict[str, float]:
+        """Broadcast every bucket, then the end of the stream; returns bytes, buckets, seconds, peak buffer bytes.
+
+        Wire buffers in flight stay under 2 * `bucket_bytes` (or one oversized bucket alone); big tensors that
+        need no cast are sent from the trainer's own memory and count for nothing.
+        """
         group, spec = self._require()
+        limit = 2 * bucket_bytes
         device = _device(spec.backend)
         started = time.perf_counter()
         sent = count = peak = 0
@@ -71,13 +79,18 @@ class WeightBroadcaster:
         in_flight_bytes = 0
         try:
             for bucket in buckets:
-                meta, payload = wire.pack(bucket, dtype, device)
+                if in_flight is not None and in_flight_bytes + wire.packed_size(bucket, dtype, device) > limit:
+                    in_flight.wait()  # an oversized bucket is packed only once the last one is off the wire
+                    in_flight, in_flight_bytes = None, 0
+                meta, payload, direct = wire.pack(bucket, dtype, device)
                 peak = max(peak, in_flight_bytes + payload.numel())  # this bucket packed, the last one on the wire
                 if in_flight is not None:
                     in_flight.wait()
-                in_flight, in_flight_bytes = wire.send_bucket(group, meta, payload, spec.timeout_s), payload.numel()
-                sent, count = sent + payload.numel(), count + 1
-                del payload
+                in_flight = wire.send_bucket(group, meta, payload, direct, spec.timeout_s)
+                in_flight_bytes = payload.numel()
+                sent += payload.numel() + sum(d.numel() for d in direct)
+                count += 1
+                del payload, direct
             if in_flight is not None:
                 in_flight.wait()
             wire.send_end(group, device, spec.timeout_s)
@@ -90,14 +103,8 @@ class WeightBroadcaster:
     def send_bare(self, nbytes: int, bucket_bytes: int) -> dict[str, float]:
         """Broadcast `nbytes` of zeros in `bucket_bytes` pieces, nothing else: the baseline of a sync's cost."""
         group, spec = self._require()
-        device = _device(spec.backend)
-        payload = torch.zeros(min(nbytes, bucket_bytes), dtype=torch.uint8, device=device)
-        started = time.perf_counter()
-        left = nbytes
-        while left > 0:
-            wire.send_raw(group, payload[: min(left, payload.numel())], spec.timeout_s)
-            left -= min(left, payload.numel())
-        return {"bytes": float(nbytes), "seconds": time.perf_counter() - started}
+        seconds = wire.send_raw(group, nbytes, bucket_bytes, _device(spec.backend), spec.timeout_s)
+        return {"bytes": float(nbytes), "seconds": seconds}
 
     def close(self) -> None:
         self._group = self._store = self._spec = None
@@ -112,6 +119,11 @@ def source_buckets(source: WeightSource, dtype: torch.dtype | None) -> Iterable[
     """The buckets to pack: uncopied where the source offers them (`raw_buckets`), else its copies."""
     raw = getattr(source, "raw_buckets", None)
     return raw(dtype) if callable(raw) else source.buckets()
+
+
+def bucket_bytes_of(source: WeightSource) -> int:
+    """The source's bucket size (what bounds the wire buffers in flight)."""
+    return int(getattr(source, "bucket_bytes", 256 << 20))
 
 
 class LocalWeightSender:
@@ -131,7 +143,7 @@ class LocalWeightSender:
     async def send(self, source: WeightSource, dtype: str, timeout_s: float) -> dict[str, float]:
         torch_dtype = getattr(torch, dtype)
         stats: dict[str, float] = await _in_thread(
-            lambda: self._broadcaster.send(source_buckets(source, torch_dtype), torch_dtype),
+            lambda: self._broadcaster.send(source_buckets(source, torch_dtype), torch_dtype, bucket_bytes_of(source)),
             timeout_s=timeout_s, what="sending",
         )  # fmt: skip
         return stats
@@ -164,7 +176,7 @@ def rank_call(rank: Any, call: str, *args: Any) -> Any:
     if call == "send":
         dtype = getattr(torch, args[0])
         source = rank.trainer.state_for_engines(dtype=dtype, bucket_mb=args[1])
-        return broadcaster.send(source_buckets(source, dtype), dtype)
+        return broadcaster.send(source_buckets(source, dtype), dtype, bucket_bytes_of(source))
     if call == "close":
         broadcaster.close()
         return None
@@ -205,6 +217,9 @@ class RankZeroSender:
                 _cancel(ref)
             raise
         stats: dict[str, float] = results[0]
+        if hasattr(source, "sent_bytes"):  # what the run logs as weight_sync/*: rank 0 counted it
+            source.sent_bytes += int(stats["bytes"])
+            source.sent_buckets += int(stats["buckets"])
         return stats
 
     async def close(self) -> None:

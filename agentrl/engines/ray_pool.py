@@ -132,8 +132,8 @@ class _Replica:
     async def join_weight_group(self, init_info: dict[str, Any]) -> None:
         await self._collective().join_weight_group(init_info)
 
-    async def receive_weights(self, version: int) -> None:
-        await self._collective().receive_weights(version)
+    async def receive_weights(self, version: int, bare_bytes: int = 0, bare_chunk: int = 1 << 28) -> None:
+        await self._collective().receive_weights(version, bare_bytes=bare_bytes, bare_chunk=bare_chunk)
 
     async def leave_weight_group(self) -> None:
         await self._collective().leave_weight_group()

@@ -309,20 +309,20 @@ class VLLMEngine:
         async with asyncio.timeout(float(init_info["timeout_s"]) + 10):
             await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
 
-    async def receive_weights(self, version: int, *, bare_bytes: int = 0) -> None:
+    async def receive_weights(self, version: int, *, bare_bytes: int = 0, bare_chunk: int = 1 << 28) -> None:
         """Take one broadcast from the group's rank 0 into the workers, then serve `version`.
 
         Pauses generation per `update_mode`, runs vLLM's start / update /
         finish weight-update calls (the update returns when rank 0 ends its
         stream), labels the weights `version` and resets the prefix cache.
-        `bare_bytes` receives that many raw bytes and loads nothing (the
-        benchmark's baseline). A failure leaves the weights half-loaded: the
+        `bare_bytes` receives that many raw bytes (in `bare_chunk` pieces) and
+        loads nothing: the benchmark's baseline. A failure leaves the weights half-loaded: the
         engine refuses requests until a later receive succeeds.
         """
         async with asyncio.timeout(self.config.update_timeout_s), self._lock():
-            await self._receive(version, bare_bytes)
+            await self._receive(version, bare_bytes, bare_chunk)
 
-    async def _receive(self, version: int, bare_bytes: int = 0) -> None:
+    async def _receive(self, version: int, bare_bytes: int = 0, bare_chunk: int = 1 << 28) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         keep = self.config.update_mode == "continue_new"
@@ -330,7 +330,8 @@ class VLLMEngine:
         try:
             await self._llm.start_weight_update()
             try:
-                await self._llm.update_weights(WeightTransferUpdateRequest(update_info={"bare_bytes": bare_bytes}))
+                info = {"bare_bytes": bare_bytes, "bare_chunk": bare_chunk}
+                await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
             except BaseException as e:
                 self._half_loaded = (
                     f"vllm engine ({self.model_path}): a weight sync failed midway ({type(e).__name__}: {e}); "

@@ -9,8 +9,8 @@ weight-transfer API, like vLLM's own nccl engine:
   worker's rank (the trainer's rank 0 hosts the rendezvous);
 - `start_weight_update` begins vLLM's layerwise in-place reload;
 - `update_weights` receives the buckets rank 0 broadcasts until it ends the
-  stream, each straight into the model's `load_weights` (HF names; vLLM maps
-  them onto its fused layers);
+  stream, each into the model's `load_weights` (HF names; vLLM maps them
+  onto its fused layers); a thread receives the next bucket while one loads;
 - `finish_weight_update` ends the reload and ties again the parameters that
   shared storage before it (a tied lm_head would otherwise keep serving the
   old embedding; see `vllm_worker.retie`).
@@ -22,8 +22,11 @@ Runs only inside vLLM's worker processes (imports vLLM and torch).
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -34,6 +37,49 @@ from vllm.distributed.weight_transfer.base import (
 
 from agentrl.engines import weight_transfer_wire as wire
 from agentrl.engines.vllm_worker import retie
+
+T = TypeVar("T")
+
+
+def prefetched(items: Iterator[T], timeout_s: float) -> Iterator[T]:
+    """`items`, produced one ahead by a thread: receiving bucket k+1 overlaps loading bucket k.
+
+    The producer's errors are raised here; a consumer that stops early stops it.
+    Each wait is bounded (the group's own deadline already bounds each bucket).
+    """
+    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def put(message: tuple[str, Any]) -> None:
+        while not stop.is_set():
+            try:
+                q.put(message, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def produce() -> None:
+        try:
+            for item in items:
+                put(("item", item))
+                if stop.is_set():
+                    return
+            put(("end", None))
+        except BaseException as e:  # handed to the consumer
+            put(("error", e))
+
+    thread = threading.Thread(target=produce, name="agentrl-weights-receive", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = q.get(timeout=timeout_s + 10)
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
 
 
 @dataclass
@@ -50,9 +96,10 @@ class GlooInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM is unt
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One update: receive the broadcast stream (`bare`: receive `bare_bytes` and load nothing, a baseline)."""
+    """One update: receive the broadcast stream (or, as a baseline, `bare_bytes` raw bytes in `bare_chunk` pieces)."""
 
     bare_bytes: int = 0
+    bare_chunk: int = 1 << 28
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):  # type: ignore[misc]
@@ -96,13 +143,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self._group is None:
             raise RuntimeError("agentrl_gloo: init_weight_transfer_engine was not called (no group to receive on)")
         if update_info.bare_bytes:
-            wire.receive_raw(self._group, update_info.bare_bytes, self._device, self._timeout_s)
+            wire.receive_raw(self._group, update_info.bare_bytes, update_info.bare_chunk, self._device, self._timeout_s)
             return
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         try:
             with disable_mtp_completeness_check():
-                for bucket in wire.receive_buckets(self._group, self._device, self._timeout_s):
+                received = wire.receive_buckets(self._group, self._device, self._timeout_s)
+                for bucket in prefetched(received, self._timeout_s):  # the next bucket arrives while this one loads
                     self.model.load_weights([(name, t.to(self.device)) for name, t in bucket])
                     self.received += len(bucket)
         except BaseException:

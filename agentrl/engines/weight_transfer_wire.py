@@ -6,11 +6,12 @@ process group made outside torch.distributed's global state (a TCPStore that
 rank 0 hosts, and a gloo or nccl group over it), so it coexists with the
 trainer's own group and with vLLM's.
 
-A bucket travels as three broadcasts from rank 0: a header (two int64: the
-length of the metadata and of the payload; 0, 0 ends the stream), the
-metadata (JSON: name, dtype, shape and byte offset of each tensor) and the
-payload (every tensor's bytes, packed into one uint8 buffer at 16-byte aligned
-offsets). The stream describes itself, so the sender can produce buckets
+A bucket travels as broadcasts from rank 0: a header (two int64: the length
+of the metadata and of the packed buffer; 0, 0 ends the stream), the
+metadata (JSON: name, dtype, shape and byte offset of each tensor), the
+packed buffer (the small or cast tensors' bytes in one uint8 buffer at
+16-byte aligned offsets) and then each big tensor that needs no cast straight
+from the trainer's memory (no copy on the sender). The stream describes itself, so the sender can produce buckets
 lazily (ZeRO-3 and FSDP gather each one just before it is sent) and the
 receivers need nothing from the driver but "receive now".
 """
@@ -88,34 +89,53 @@ def _broadcast(group: Any, tensor: torch.Tensor, timeout_s: float, *, wait: bool
     return work
 
 
-def packed_size(bucket: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> int:
-    """Bytes the bucket takes packed (floating tensors cast to `dtype`)."""
+DIRECT_MIN_BYTES = 1 << 20  # tensors this large that need no cast go on the wire as they are (no copy)
+
+
+def is_direct(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device) -> bool:
+    """Whether `t` is sent straight from its own memory (big, contiguous, on the wire's device, not cast)."""
+    return (
+        _wire_dtype(t, dtype) == t.dtype and t.is_contiguous() and t.device == device
+        and t.numel() * t.element_size() >= DIRECT_MIN_BYTES
+    )  # fmt: skip
+
+
+def packed_size(bucket: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None, device: torch.device) -> int:
+    """Bytes the bucket's packed buffer takes (floating tensors cast to `dtype`; direct tensors not in it)."""
     size = 0
     for _, t in bucket:
-        item = torch.empty((), dtype=_wire_dtype(t, dtype)).element_size()
-        size = _aligned(size) + t.numel() * item
+        if not is_direct(t, dtype, device):
+            item = torch.empty((), dtype=_wire_dtype(t, dtype)).element_size()
+            size = _aligned(size) + t.numel() * item
     return size
 
 
 def pack(
     bucket: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None, device: torch.device
-) -> tuple[list[list[Any]], torch.Tensor]:
-    """The bucket's metadata and its tensors copied (and cast) into one uint8 buffer on `device`.
+) -> tuple[list[list[Any]], torch.Tensor, list[torch.Tensor]]:
+    """The bucket's metadata, its small or cast tensors copied into one uint8 buffer, and its direct tensors.
 
-    Each tensor is copied straight into its slot: one buffer is the whole
-    extra memory of a bucket on the sender.
+    Each packed tensor is copied (and cast) straight into its slot; a direct
+    tensor (`is_direct`) is broadcast from the trainer's own memory after the
+    buffer, so it costs no copy and no extra memory. Metadata entries are
+    [name, dtype, shape, offset in the buffer, or -1 for a direct tensor].
     """
-    buf = torch.empty(packed_size(bucket, dtype), dtype=torch.uint8, device=device)
+    buf = torch.empty(packed_size(bucket, dtype, device), dtype=torch.uint8, device=device)
     meta: list[list[Any]] = []
+    direct: list[torch.Tensor] = []
     offset = 0
     for name, t in bucket:
         wire = _wire_dtype(t, dtype)
+        if is_direct(t, dtype, device):
+            meta.append([name, str(wire).removeprefix("torch."), list(t.shape), -1])
+            direct.append(t.detach().reshape(-1).view(torch.uint8))
+            continue
         offset = _aligned(offset)
         nbytes = t.numel() * torch.empty((), dtype=wire).element_size()
         buf[offset : offset + nbytes].view(wire).view(t.shape).copy_(t.detach())
         meta.append([name, str(wire).removeprefix("torch."), list(t.shape), offset])
         offset += nbytes
-    return meta, buf
+    return meta, buf, direct
 
 
 class InFlight:
@@ -130,16 +150,19 @@ class InFlight:
         self._works, self._buffers = [], []
 
 
-def send_bucket(group: Any, meta: list[list[Any]], payload: torch.Tensor, timeout_s: float) -> InFlight:
-    """Start broadcasting one packed bucket from rank 0 (header, metadata, payload); wait on the result.
+def send_bucket(
+    group: Any, meta: list[list[Any]], payload: torch.Tensor, direct: Sequence[torch.Tensor], timeout_s: float
+) -> InFlight:
+    """Start broadcasting one bucket from rank 0 (header, metadata, packed buffer, direct tensors); wait on it.
 
     The group runs its operations in order, so the next bucket can be packed
     while this one is on the wire.
     """
     encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(payload.device)
     header = torch.tensor([encoded.numel(), payload.numel()], dtype=torch.int64, device=payload.device)
-    works = [_broadcast(group, t, timeout_s, wait=False) for t in (header, encoded, payload)]
-    return InFlight(works, [header, encoded, payload])
+    tensors = [header, encoded, *([payload] if payload.numel() else []), *direct]
+    works = [_broadcast(group, t, timeout_s, wait=False) for t in tensors]
+    return InFlight(works, tensors)
 
 
 def send_end(group: Any, device: torch.device, timeout_s: float) -> None:
@@ -147,13 +170,24 @@ def send_end(group: Any, device: torch.device, timeout_s: float) -> None:
     _broadcast(group, torch.zeros(2, dtype=torch.int64, device=device), timeout_s)
 
 
-def send_raw(group: Any, payload: torch.Tensor, timeout_s: float) -> None:
-    """Broadcast bare bytes (no header): the baseline a benchmark compares a sync against."""
-    _broadcast(group, payload, timeout_s)
+def send_raw(group: Any, nbytes: int, chunk: int, device: torch.device, timeout_s: float) -> float:
+    """Broadcast `nbytes` bare bytes in `chunk`-byte pieces (no header, nothing loaded); returns the seconds.
+
+    The baseline a benchmark compares a sync against. A one-element broadcast
+    first waits for every receiver, so the time counts only the bytes.
+    """
+    import time
+
+    _broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device), timeout_s)
+    payload = torch.zeros(min(nbytes, chunk), dtype=torch.uint8, device=device)
+    started = time.perf_counter()
+    for offset in range(0, nbytes, chunk):
+        _broadcast(group, payload[: min(chunk, nbytes - offset)], timeout_s)
+    return time.perf_counter() - started
 
 
 def receive_buckets(group: Any, device: torch.device, timeout_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The buckets rank 0 broadcasts, until it ends the stream; tensors are views of one buffer per bucket."""
+    """The buckets rank 0 broadcasts, until it ends the stream (packed tensors are views of their bucket's buffer)."""
     while True:
         header = torch.zeros(2, dtype=torch.int64, device=device)
         _broadcast(group, header, timeout_s)
@@ -163,19 +197,28 @@ def receive_buckets(group: Any, device: torch.device, timeout_s: float) -> Itera
         encoded = torch.empty(meta_len, dtype=torch.uint8, device=device)
         _broadcast(group, encoded, timeout_s)
         payload = torch.empty(payload_len, dtype=torch.uint8, device=device)
-        _broadcast(group, payload, timeout_s)
+        if payload_len:
+            _broadcast(group, payload, timeout_s)
         meta = json.loads(encoded.cpu().numpy().tobytes().decode())
         bucket = []
         for name, dtype_name, shape, offset in meta:
             dtype = getattr(torch, dtype_name)
+            if offset < 0:  # a direct tensor: its own broadcast, after the buffer
+                t = torch.empty(shape, dtype=dtype, device=device)
+                _broadcast(group, t.reshape(-1).view(torch.uint8), timeout_s)
+                bucket.append((name, t))
+                continue
             nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
             bucket.append((name, payload[offset : offset + nbytes].view(dtype).view(shape)))
         yield bucket
 
 
-def receive_raw(group: Any, nbytes: int, device: torch.device, timeout_s: float) -> None:
+def receive_raw(group: Any, nbytes: int, chunk: int, device: torch.device, timeout_s: float) -> None:
     """The receiving side of `send_raw`."""
-    _broadcast(group, torch.empty(nbytes, dtype=torch.uint8, device=device), timeout_s)
+    _broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device), timeout_s)
+    payload = torch.empty(min(nbytes, chunk), dtype=torch.uint8, device=device)
+    for offset in range(0, nbytes, chunk):
+        _broadcast(group, payload[: min(chunk, nbytes - offset)], timeout_s)
 
 
 def _wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:

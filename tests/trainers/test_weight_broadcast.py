@@ -55,7 +55,7 @@ def _tensors() -> list[tuple[str, torch.Tensor]]:
         ("layer.0.q.weight", torch.randn(64, 64, generator=gen)[:, :48]),  # not contiguous
         ("layer.0.norm.weight", torch.randn(63, generator=gen)),  # odd size: the next slot is re-aligned
         ("steps", torch.arange(5, dtype=torch.int64)),  # integers are never cast
-        ("layer.1.big.weight", torch.randn(512, 256, generator=gen)),  # larger than a bucket: sent alone
+        ("layer.1.big.weight", torch.randn(1024, 256, generator=gen)),  # larger than a bucket: sent alone
     ]
 
 
@@ -73,15 +73,26 @@ def _buckets(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list
 
 
 def test_pack_keeps_every_tensor_at_an_aligned_offset_and_casts_only_floats() -> None:
-    bucket = _tensors()[:4]
-    meta, buf = wire.pack(bucket, torch.bfloat16, torch.device("cpu"))
-    assert buf.dtype == torch.uint8 and buf.numel() == wire.packed_size(bucket, torch.bfloat16)
+    bucket = _tensors()
+    cpu = torch.device("cpu")
+    meta, buf, direct = wire.pack(bucket, torch.bfloat16, cpu)
+    assert buf.dtype == torch.uint8 and buf.numel() == wire.packed_size(bucket, torch.bfloat16, cpu)
+    assert direct == []  # every float is cast: all of it is copied into the buffer
     for (name, t), (m_name, dtype, shape, offset) in zip(bucket, meta, strict=True):
         assert m_name == name and list(t.shape) == shape and offset % 16 == 0
         want = t if not t.is_floating_point() else t.to(torch.bfloat16)
         assert dtype == str(want.dtype).removeprefix("torch.")
         got = buf[offset : offset + want.numel() * want.element_size()].view(want.dtype).view(want.shape)
         assert torch.equal(got, want)
+
+
+def test_big_tensors_that_need_no_cast_go_on_the_wire_from_the_trainers_memory() -> None:
+    bucket = _tensors()
+    meta, buf, direct = wire.pack(bucket, None, torch.device("cpu"))
+    big = bucket[-1][1]  # 1 MB of fp32: no copy
+    assert [m[3] for m in meta][-1] == -1 and len(direct) == 1
+    assert direct[0].data_ptr() == big.data_ptr() and direct[0].numel() == big.numel() * 4
+    assert buf.numel() < big.numel() * 4  # the buffer holds only the small tensors
 
 
 def _receivers(port: int, world: int, die_after: int = -1) -> list[subprocess.Popen[str]]:
@@ -93,7 +104,8 @@ def _receivers(port: int, world: int, die_after: int = -1) -> list[subprocess.Po
     ]  # fmt: skip
 
 
-def test_two_receivers_get_every_bucket_exactly_with_at_most_two_buckets_in_flight() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["cast-bf16", "as-is"])
+def test_two_receivers_get_every_bucket_exactly_with_at_most_two_buckets_in_flight(dtype: torch.dtype | None) -> None:
     host, port = WeightBroadcaster.rendezvous("127.0.0.1")
     procs = _receivers(port, 3)
     sender = WeightBroadcaster()
@@ -101,21 +113,21 @@ def test_two_receivers_get_every_bucket_exactly_with_at_most_two_buckets_in_flig
         sender.connect(GroupSpec(host, port, 3, 20.0))
         bucket_bytes = 50_000
         buckets = _buckets(_tensors(), bucket_bytes)
-        stats = sender.send(buckets, torch.bfloat16)
+        stats = sender.send(buckets, dtype, bucket_bytes)
         outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
     finally:
         sender.close()
         for p in procs:
             p.kill()
     assert stats["buckets"] == len(buckets) >= 3
-    largest = max(wire.packed_size(b, torch.bfloat16) for b in buckets)
-    assert stats["peak_buffer_bytes"] <= 2 * largest  # the bucket on the wire and the one being packed
+    largest = max(wire.packed_size(b, dtype, torch.device("cpu")) for b in buckets)
+    assert stats["peak_buffer_bytes"] <= max(2 * bucket_bytes, largest)  # one on the wire, one being packed
     for got in outs:
         assert sorted(got) == sorted(n for n, _ in _tensors())
         for name, t in _tensors():
-            want = t if not t.is_floating_point() else t.to(torch.bfloat16)
-            dtype, shape, total, head = got[name]
-            assert dtype == str(want.dtype) and shape == list(want.shape)
+            want = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            got_dtype, shape, total, head = got[name]
+            assert got_dtype == str(want.dtype) and shape == list(want.shape)
             assert total == pytest.approx(float(want.double().sum()), abs=1e-6)
             assert head == want.flatten()[:3].tolist()
 
@@ -165,11 +177,15 @@ async def test_a_ray_trainer_groups_rank0_broadcasts_into_vllm(tmp_path: Path, t
                              "num_cpus_per_rank": 0.5}, str(trained))  # fmt: skip
     engine = VLLMEngine(VLLMEngine.Config(model=tiny_llama64_path, dtype="fp32", kv_cache_gb=0.1, max_model_len=512,
                                           update_timeout_s=60))  # fmt: skip
+    def no_relay(*args: Any) -> Any:
+        raise AssertionError("the weights were streamed through the driver")
+
+    group._stream_weights = no_relay  # type: ignore[method-assign]
     try:
         source = group.state_for_engines(bucket_mb=0.3)
         assert engine.transport_for(source) == "collective"  # auto: the trainer's rank 0 is another process
         await engine.update_weights(source, 7)
-        assert source.sent_buckets == 0  # the driver streamed no bucket: rank 0 broadcast them itself
+        assert source.sent_buckets > 3 and source.sent_bytes > 0  # rank 0's counts, for weight_sync/* metrics
         prompt = [1, 28, 300, 4000, 17, 9]
         out = await engine.generate(prompt, Sampling(max_tokens=12, seed=1))
         reference = load_model(str(trained))
