@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.errors import ConfigError
 from agentrl.gateway.config import GatewayConfig
 from agentrl.gateway.server import Gateway
 from agentrl.gateway.session import Backend, Session
@@ -139,7 +140,12 @@ class RemoteAgents:
         async with self._starting:
             if self.gateway is None:
                 gateway = Gateway(self.config, backend, episodes=self.board, on_close=self._on_close)
-                await gateway.start()
+                try:
+                    await gateway.start()
+                except OSError as e:
+                    await gateway.stop()
+                    raise ConfigError(f"env.gateway: cannot serve remote agents on {self.config.host}:"
+                                      f"{self.config.port} ({e}); choose another gateway.port") from e
                 self.gateway = gateway
                 log.warning("agentrl gateway for remote agents: %s (claim episodes with POST /episodes)", gateway.url)
             return self.gateway

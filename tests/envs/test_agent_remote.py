@@ -227,6 +227,22 @@ async def test_the_run_gateway_hands_out_episodes_only_and_says_when_the_run_is_
         assert (await claim(http, url, wait_s=0)).status_code == 410
 
 
+async def test_a_taken_port_is_a_config_error_naming_it(
+    engine: ScriptedEngine, tokenizer: HFChatTokenizer, resources: RunResources
+) -> None:
+    import socket
+
+    from agentrl.errors import ConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = AgentEnv(AgentEnvConfig(mode="remote", tasks=TASKS, gateway={"port": port}), resources=resources)
+        with pytest.raises(ConfigError, match=f"env.gateway: cannot serve remote agents on 127.0.0.1:{port}"):
+            await _drive(env, engine, tokenizer)
+
+
 def test_remote_mode_config_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match="agent: required in mode in_process"):
         AgentEnvConfig(tasks=TASKS)
