@@ -65,6 +65,8 @@ VARIANTS = {
     "fsdp_lora": ["trainer.data_parallel=fsdp"],  # the example's LoRA, base and adapters sharded
     "sp": ["trainer.sequence_parallel_size=2", "trainer.shared_prefix=false"],  # both ranks split each row
     "fsdp_sp": ["trainer.sequence_parallel_size=2", "trainer.shared_prefix=false", "trainer.data_parallel=fsdp"],
+    # the example's LoRA on DeepSpeed ZeRO-3 ranks: the engine's weights gathered bucket by bucket from both
+    "zero3": ["trainer.data_parallel=deepspeed", "trainer.deepspeed={zero_stage: 3}"],
 }
 
 
