@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory:
   model/               HF safetensors model (+ tokenizer): `from_pretrained(path/"model")` works.
-                       With LoRA the adapters are merged in (what engines and evals want).
+                       With LoRA the adapters are merged in (what engines and evals want). Under
+                       FSDP/DeepSpeed written bucket by bucket (sharded files + index).
   adapter/             LoRA only: the peft adapter, which is what resume loads.
   trainer_state.pt     optimizer, scheduler, step, policy_version, critic (if any)
   deepspeed/           data_parallel=deepspeed only: DeepSpeed's own checkpoint, each rank's partition of
@@ -43,10 +44,16 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     zero = trainer.models.zero
     # FSDP, ZeRO-3: gathering the weights (and FSDP's optimizer state) are collectives, so every rank takes part
     collective = trainer.fsdp or trainer.partitioned
-    # DeepSpeed keeps the weights as views of flat buffers: written from copies (the engines' tensors)
-    copies = collective or (zero is not None and world.is_main)
-    weights = _engine_weights(trainer, keep=world.is_main) if copies else None
-    adapter = _full_adapter_state(trainer) if copies and trainer.config.lora is not None else None
+    # written from the engines' bucket stream: FSDP and ZeRO-3 gather bucket by bucket, and DeepSpeed keeps the
+    # weights as views of flat buffers, which save_pretrained refuses (shared storage)
+    streamed = collective or zero is not None
+    if world.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    if collective or (streamed and world.is_main):
+        _write_streamed_model(trainer, tmp / "model", write=world.is_main)
+    adapter = _full_adapter_state(trainer) if streamed and trainer.config.lora is not None else None
     optimizer: Any = None  # DeepSpeed: each rank's partition, written by the engine below
     if zero is None:
         optimizer = whole_optimizer_state(trainer.model, trainer.optimizer) if trainer.fsdp else trainer.optimizer.state_dict()
@@ -54,11 +61,7 @@ def save_checkpoint(trainer: TorchTrainer, path: str | Path, extra_state: dict[s
     # sharded: gathered, every rank; DeepSpeed: its engine writes each rank's partition below
     critic = trainer.critic.state_dict() if trainer.critic is not None and critic_zero is None else None
     if world.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        if weights is not None:
-            _save_state(_hf_config(trainer), weights, tmp / "model")
+        if streamed:
             _copy_tokenizer(trainer.model_path, tmp / "model")
             if adapter is not None:
                 peft_model: Any = trainer.model
@@ -175,6 +178,32 @@ def _full_adapter_state(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
         for name, t in trainer.model.state_dict().items()
         if ".lora_" in name
     }
+
+
+def _write_streamed_model(trainer: TorchTrainer, out: Path, *, write: bool) -> None:
+    """A plain HF model dir written one bucket of the engines' weights at a time (a sharded safetensors model).
+
+    Under FSDP and ZeRO-3 every rank reads the stream (each bucket is gathered
+    from all); only `write` (the writing rank) keeps and writes each bucket,
+    and no rank ever holds more than one.
+    """
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, bucket in enumerate(trainer.state_for_engines().buckets()):
+        if not write:
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        file = f"model-{i + 1:05d}.safetensors"
+        tensors = {name: t.contiguous() for name, t in bucket}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if write:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+        _hf_config(trainer).save_pretrained(out)
 
 
 def _engine_weights(trainer: TorchTrainer, *, keep: bool = True) -> dict[str, torch.Tensor]:
