@@ -121,7 +121,7 @@ async def test_a_dead_replica_is_routed_around_then_restarted_with_the_current_w
     health = await pool.health()
     assert health.ok and health.detail["replicas_alive"] == 2 and health.detail["replica_restarts"] == 1
     assert pool.stats() == {"replicas": 2.0, "replicas_alive": 2.0, "replicas_restarting": 0.0, "replica_restarts": 1.0,
-                            "retried_requests": float(pool.retried)}  # fmt: skip
+                            "retried_requests": float(pool.retried), "weight_sync_failures": 0.0}  # fmt: skip
 
 
 @pytest.mark.asyncio(loop_scope="module")
