@@ -217,9 +217,10 @@ class RankZeroSender:
                 _cancel(ref)
             raise
         stats: dict[str, float] = results[0]
-        if hasattr(source, "sent_bytes"):  # what the run logs as weight_sync/*: rank 0 counted it
-            source.sent_bytes += int(stats["bytes"])
-            source.sent_buckets += int(stats["buckets"])
+        counted: Any = source
+        if hasattr(counted, "sent_bytes"):  # what the run logs as weight_sync/*: rank 0 counted it
+            counted.sent_bytes += int(stats["bytes"])
+            counted.sent_buckets += int(stats["buckets"])
         return stats
 
     async def close(self) -> None:
