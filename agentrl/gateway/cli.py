@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -39,8 +40,12 @@ def register(app: typer.Typer) -> None:
 
 def gateway_command(
     config: Annotated[Path, typer.Argument(help="Run config YAML (engine, model, rollout settings).")],
-    host: Annotated[str | None, typer.Option(help="Address to bind (default: env.gateway.host or 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default: env.gateway.port; 0 = any free port).")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Address to bind (default: env.gateway.host or 127.0.0.1).")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Port (default: env.gateway.port; 0 = any free port).")
+    ] = None,
     token: Annotated[
         str | None, typer.Option(help="Admin token; required off loopback (one is generated when missing).")
     ] = None,
@@ -54,10 +59,12 @@ def gateway_command(
     settings = gateway_settings(run_config, host=host, port=port, token=token)
     run_dir = RunDir.create(Path(run_config.run.output_dir), f"{run_config.run.name}-gateway")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(run_config, settings, run_dir.store_path))
+        asyncio.run(serve(run_config, settings, run_dir.store_path, stop_on_signals=True))
 
 
-def gateway_settings(run_config: RunConfig, *, host: str | None, port: int | None, token: str | None) -> GatewayConfig:
+def gateway_settings(
+    run_config: RunConfig, *, host: str | None, port: int | None, token: str | None
+) -> GatewayConfig:
     """The gateway config: env.gateway of an `agent` env, then the command line; a token is made off loopback."""
     base: dict[str, Any] = {}
     if run_config.env.name == "agent":
@@ -89,9 +96,13 @@ def build_backend(run_config: RunConfig, gateway: GatewayConfig) -> Backend:
     rollout = run_config.rollout
     s = rollout.sampling
     return Backend(
-        engine=engine, tokenizer=tokenizer, parser=get_parser(gateway.tool_parser, plugins),
-        sampling=TrainerSampling(s.temperature, s.top_p, s.top_k), budgets=Budgets.from_rollout_config(rollout),
-        stop_strings=tuple(s.stop_strings), generate_timeout_s=rollout.generate_timeout_s,
+        engine=engine,
+        tokenizer=tokenizer,
+        parser=get_parser(gateway.tool_parser, plugins),
+        sampling=TrainerSampling(s.temperature, s.top_p, s.top_k),
+        budgets=Budgets.from_rollout_config(rollout),
+        stop_strings=tuple(s.stop_strings),
+        generate_timeout_s=rollout.generate_timeout_s,
         tools_in_prompt=gateway.tools_in_prompt,
     )
 
@@ -101,8 +112,9 @@ def store_on_close(store: TrajectoryStore) -> Any:
 
     async def on_close(session: Session) -> dict[str, Any]:
         reward = session.reward if session.reward is not None else 0.0
-        trajs = session.trajectories(task=session.task, env="agent", group_id=session.id, reward=reward,
-                                     breakdown=session.breakdown)
+        trajs = session.trajectories(
+            task=session.task, env="agent", group_id=session.id, reward=reward, breakdown=session.breakdown
+        )
         for traj in trajs:
             store.add_trajectory(traj, step=None, status="gateway")
         store.commit()
@@ -111,18 +123,32 @@ def store_on_close(store: TrajectoryStore) -> Any:
     return on_close
 
 
-async def serve(run_config: RunConfig, settings: GatewayConfig, store_path: Path) -> None:
-    """Run the gateway until cancelled (Ctrl-C)."""
+async def serve(
+    run_config: RunConfig, settings: GatewayConfig, store_path: Path, *, stop_on_signals: bool = False
+) -> None:
+    """Run the gateway until cancelled; with `stop_on_signals`, SIGINT and SIGTERM end it cleanly.
+
+    The handlers are installed explicitly because a process started in the background by a
+    non-interactive shell inherits SIGINT as ignored, and `docker stop` / systemd send SIGTERM.
+    """
     from agentrl.store import TrajectoryStore
+
+    stop = asyncio.Event()
+    if stop_on_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
 
     backend = build_backend(run_config, settings)
     store = TrajectoryStore(store_path)
     try:
         async with Gateway(settings, backend, on_close=store_on_close(store)) as gateway:
-            typer.echo(f"agentrl gateway: {gateway.url}  (POST /sessions to open an episode; store {store_path})")
+            typer.echo(
+                f"agentrl gateway: {gateway.url}  (POST /sessions to open an episode; store {store_path})"
+            )
             if settings.token:
                 typer.echo(f"admin token: {settings.token}")
-            await asyncio.Event().wait()
+            await stop.wait()
     finally:
         store.close()
         await backend.engine.close()

@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
 
 
-def test_remote_agent_episodes_are_stored(tmp_path: Path) -> None:
+def start_gateway(tmp_path: Path) -> subprocess.Popen[str]:
+    """`agentrl gateway` on a scripted engine, started as a non-interactive shell starts a background job:
+    with SIGINT ignored (the gateway must still stop on it)."""
     config = {
         "run": {"name": "remote", "output_dir": str(tmp_path)},
         "env": {"name": "agent", "agent": "some.module:solve", "tasks": [{"id": "a"}], "gateway": {"model_name": "policy"}},
@@ -31,8 +33,26 @@ def test_remote_agent_episodes_are_stored(tmp_path: Path) -> None:
     }
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "gateway", str(path), "--token", "admin-token-for-tests-123"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "gateway", str(path), "--token", "admin-token-for-tests-123"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+
+
+def test_sigterm_stops_the_gateway(tmp_path: Path) -> None:
+    proc = start_gateway(tmp_path)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("agentrl gateway: http://127.0.0.1:"), line + (proc.stderr.read() if proc.stderr else "")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_remote_agent_episodes_are_stored(tmp_path: Path) -> None:
+    proc = start_gateway(tmp_path)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -59,7 +79,7 @@ def test_remote_agent_episodes_are_stored(tmp_path: Path) -> None:
                           headers={"Authorization": f"Bearer {opened['api_key']}"}).status_code == 409
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0
     [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir()]
     store = TrajectoryStore(run_dir / "trajectories.sqlite")
     [record] = list(store.iter_records())
