@@ -71,3 +71,23 @@ def require_free(address: str | None, need: Mapping[str, float], what: str, *, g
             "(another Ray plugin of this run may hold the rest): lower the per-actor num_cpus/num_gpus "
             "(fractions are fine), or start Ray yourself (`ray start --head --num-cpus N`) and set address: auto"
         )
+
+
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_resources(value: Mapping[str, float], *, key: str) -> dict[str, float]:
+    """Custom Ray resources asked of each actor (`{"trainer_node": 1}`), validated; a ValueError names `key`.
+
+    They steer placement on a cluster: a node offers them (`ray start
+    --resources='{"trainer_node": 8}'`) and only actors asking for them land
+    there. CPUs and GPUs have their own keys, so naming them here is an error.
+    """
+    out = {}
+    for name, amount in value.items():
+        if name in _BUILTIN_RESOURCES:
+            raise ValueError(f"{key}.{name}: set CPUs/GPUs with their own keys, not as a custom resource")
+        if not amount > 0:
+            raise ValueError(f"{key}.{name}={amount!r}: a resource amount must be > 0")
+        out[str(name)] = float(amount)
+    return out

@@ -88,6 +88,7 @@ class MismatchStats:
     staleness_max: float = 0.0
     fresh_tokens: float = 0.0  # tokens sampled by the weights the trainer held at the start of the step
     fresh_kl_k3: float = 0.0
+    fresh_max_abs_dlogp: float = 0.0  # same weights on both sides: numerics only, unless the weight sync broke
 
     def add(
         self,
@@ -125,6 +126,8 @@ class MismatchStats:
         fresh = stale == 0  # same weights on both sides: any difference is numerics or a broken weight sync
         self.fresh_tokens += float(fresh.sum())
         self.fresh_kl_k3 += float(k3[fresh].sum())
+        if bool(fresh.any()):
+            self.fresh_max_abs_dlogp = max(self.fresh_max_abs_dlogp, float(d[fresh].abs().max()))
 
     def metrics(self) -> dict[str, float]:
         n = max(self.tokens, 1.0)
@@ -142,6 +145,7 @@ class MismatchStats:
         }
         if self.fresh_tokens:
             out["off_policy/fresh_mismatch_kl"] = self.fresh_kl_k3 / self.fresh_tokens
+            out["off_policy/fresh_max_abs_dlogp"] = self.fresh_max_abs_dlogp
         return out
 
     def merge_(self, values: torch.Tensor) -> None:

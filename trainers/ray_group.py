@@ -41,10 +41,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from agentrl.errors import AgentrlError
-from agentrl.ray_runtime import actor_died, require_free, start_or_join
+from agentrl.ray_runtime import actor_died, check_resources, require_free, start_or_join
 from agentrl.trainer import TokenStats, Trainer, TrainStepResult, group_samples
 from agentrl.trainers.config import TrainerConfig
 from agentrl.types import Group, TrainSample
@@ -63,6 +63,11 @@ class RayTrainerConfig(TrainerConfig):
     num_gpus_per_rank: float = Field(
         0.0, ge=0, description="GPUs Ray reserves for each rank; > 0 trains on cuda (nccl), 0 on cpu (gloo)"
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each rank asks for, e.g. {trainer_node: 1} with nodes started as "
+        "`ray start --resources='{\"trainer_node\": 8}'`: ranks land only on the nodes that offer them",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend: auto = nccl with GPUs, else gloo"
     )
@@ -77,6 +82,11 @@ class RayTrainerConfig(TrainerConfig):
         description="seconds one call (a train step, a checkpoint, the weights for the engines) may take on "
         "every rank; also the process group's collective timeout",
     )
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return check_resources(value, key="trainer.resources")
 
     @model_validator(mode="after")
     def _fits_the_group(self) -> RayTrainerConfig:
@@ -236,7 +246,8 @@ class RayTrainerGroup:
 
         self._own_ray = start_or_join(cfg.address, cfg.world_size * cfg.num_cpus_per_rank)
         try:
-            bundle = {"CPU": cfg.num_cpus_per_rank, **({"GPU": cfg.num_gpus_per_rank} if cfg.num_gpus_per_rank else {})}
+            bundle = {"CPU": cfg.num_cpus_per_rank, **({"GPU": cfg.num_gpus_per_rank} if cfg.num_gpus_per_rank else {}),
+                      **cfg.resources}  # fmt: skip
             require_free(cfg.address, {k: v * cfg.world_size for k, v in bundle.items()},
                          f"trainer.world_size={cfg.world_size} ranks of {bundle}")  # fmt: skip
             self._placement = placement_group([dict(bundle) for _ in range(cfg.world_size)],
@@ -250,7 +261,7 @@ class RayTrainerGroup:
             actor = ray.remote(max_restarts=0)(_Rank)
             self._ranks = [
                 actor.options(
-                    num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank,
+                    num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, resources=cfg.resources or None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=i),
                 ).remote(i, cfg.world_size)
                 for i in range(cfg.world_size)
@@ -322,19 +333,26 @@ class RayTrainerGroup:
         return list(self._call([r.state_bytes.remote() for r in self._ranks], self.config.step_timeout_s, "state_bytes"))
 
     def close(self) -> None:
-        """End the ranks (and the local Ray this group started)."""
+        """End the ranks (and the Ray connection this group started)."""
         import ray
 
-        for rank in self._ranks:
-            ray.kill(rank)
-        self._ranks = []
-        if self._placement is not None:
-            ray.util.remove_placement_group(self._placement)
-            self._placement = None
+        self._end_ranks()
         if self._own_ray:
             ray.shutdown()
             self._own_ray = False
         self._broken = self._broken or "the trainer group is closed"
+
+    def _end_ranks(self) -> None:
+        """Kill the ranks and free their placement; Ray stays up (a `ray` engine pool of the run may use it)."""
+        import ray
+
+        ranks, placement, self._ranks, self._placement = self._ranks, self._placement, [], None
+        if not ray.is_initialized():  # whoever started Ray shut it down already: its actors went with it
+            return
+        for rank in ranks:
+            ray.kill(rank)
+        if placement is not None:
+            ray.util.remove_placement_group(placement)
 
     # -- internals
 
@@ -395,7 +413,7 @@ class RayTrainerGroup:
         else:
             cause = f"failed: {_first_line(exc)}"
         self._broken = f"trainer rank {rank} {cause} during {what}; the trainer group was closed"
-        self.close()
+        self._end_ranks()
         return TrainerGroupError(self._broken + " (a run resumes from its last checkpoint: agentrl train --resume RUN, or by itself with run.max_restarts)")
 
 

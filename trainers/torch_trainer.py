@@ -438,10 +438,11 @@ class TorchTrainer:
         out = {k: v / updates for k, v in sums.items()}
         merged = all_reduce_sum(stats.as_tensor(), self.world)
         maxes = all_reduce_max(
-            torch.tensor([stats.max_abs_dlogp, stats.staleness_max], dtype=torch.float64), self.world
+            torch.tensor([stats.max_abs_dlogp, stats.staleness_max, stats.fresh_max_abs_dlogp], dtype=torch.float64),
+            self.world,
         )
         stats.merge_(merged)
-        stats.max_abs_dlogp, stats.staleness_max = (float(x) for x in maxes.tolist())
+        stats.max_abs_dlogp, stats.staleness_max, stats.fresh_max_abs_dlogp = (float(x) for x in maxes.tolist())
         out |= stats.metrics()
         out |= self._packing_metrics(batches, ids)
         if self.config.shared_prefix and batches:

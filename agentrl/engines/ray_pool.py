@@ -79,7 +79,7 @@ from agentrl.engines.weight_transfer import (
     sender_of,
     together,
 )
-from agentrl.ray_runtime import actor_died, require_free, start_or_join
+from agentrl.ray_runtime import actor_died, check_resources, require_free, start_or_join
 from agentrl.registry import PluginRef, Plugins
 from agentrl.types import JSON, Completion
 
@@ -185,6 +185,11 @@ class RayEnginePool:
         )
         num_cpus: float = Field(default=1.0, ge=0, description="CPUs Ray reserves for each replica")
         num_gpus: float = Field(default=0.0, ge=0, description="GPUs Ray reserves for each replica")
+        resources: dict[str, float] = Field(
+            default_factory=dict,
+            description="custom Ray resources each replica asks for, e.g. {engine_node: 1} with nodes started as "
+            "`ray start --resources='{\"engine_node\": 4}'`: replicas land only on the nodes that offer them",
+        )
         routing: Literal["prefix", "least_loaded"] = Field(
             default="prefix",
             description="prefix: a request goes to the replica that served its longest prefix (prefix-cache "
@@ -220,6 +225,11 @@ class RayEnginePool:
             "into every vLLM worker over one process group, vLLM's weight-transfer API), object_store (Ray's "
             "object store, any replica engine), auto (collective for vllm replicas, else object_store)",
         )
+
+        @field_validator("resources")
+        @classmethod
+        def _resources(cls, value: dict[str, float]) -> dict[str, float]:
+            return check_resources(value, key="engine.resources")
 
         @field_validator("weight_transport")
         @classmethod
@@ -258,7 +268,9 @@ class RayEnginePool:
             params.setdefault("dtype", cfg.dtype)
         if "update_timeout_s" in fields:  # a replica's part of a sync has the pool's deadline
             params.setdefault("update_timeout_s", cfg.update_timeout_s)
-        self._actor = ray.remote(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, max_restarts=0)(_Replica)
+        self._actor = ray.remote(
+            num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, resources=cfg.resources or None, max_restarts=0
+        )(_Replica)
         self._engine_cls, self._params = engine_cls, params
         self._replicas = [self._new_replica() for _ in range(cfg.replicas)]
         self._router = PrefixRouter(
@@ -268,6 +280,7 @@ class RayEnginePool:
         self.policy_version = 0
         self.retried = 0  # requests sent again after their replica died
         self.restarted = 0  # dead replicas replaced by a new one that serves the current weights
+        self.syncs = {"collective": 0, "object_store": 0}  # weight updates done, per transport
         self._attempts = [0] * cfg.replicas  # restart attempts per replica
         self._restarting: dict[int, asyncio.Task[None]] = {}
         self._weights: list[Any] = []  # object refs of the last update's buckets (kept for restarts)
@@ -339,8 +352,10 @@ class RayEnginePool:
             raise EngineClosed("ray engine pool is closed")
         if self.transport_for(weights) == "collective":
             await self._collective_update(weights, version)
+            self.syncs["collective"] += 1
             return
         await self._object_store_update(weights, version)
+        self.syncs["object_store"] += 1
 
     async def _object_store_update(self, weights: WeightSource, version: int) -> None:
         """Put each bucket into the object store once; every live replica loads them all."""
@@ -510,6 +525,8 @@ class RayEnginePool:
             "replica_restarts": float(self.restarted),
             "retried_requests": float(self.retried),
             "weight_sync_failures": float(len(self.sync_failures)),
+            "collective_syncs": float(self.syncs["collective"]),
+            "object_store_syncs": float(self.syncs["object_store"]),
         }
 
     async def health(self) -> EngineHealth:
@@ -612,9 +629,14 @@ class RayEnginePool:
         self._closed = True
         for task in list(self._restarting.values()):
             task.cancel()
+        import ray
+
         if self._sender is not None:
-            await self._sender.close()
-        live = [self._replicas[i] for i, ok in enumerate(self._router.alive) if ok]
+            try:
+                await self._sender.close()
+            except Exception as e:  # its end died with a lost trainer rank; the replicas close all the same
+                log.warning("closing the trainer's end of the weight-transfer group: %s", _gist(e))
+        live = [self._replicas[i] for i, ok in enumerate(self._router.alive) if ok] if ray.is_initialized() else []
         try:
             async with asyncio.timeout(self.config.update_timeout_s):
                 await asyncio.gather(*(r.close.remote() for r in live), return_exceptions=True)
@@ -624,6 +646,8 @@ class RayEnginePool:
     def _shutdown(self) -> None:
         import ray
 
+        if not ray.is_initialized():  # whoever started Ray shut it down already: the replicas went with it
+            return
         for replica in self._replicas:
             ray.kill(replica)
         if self._own_ray:

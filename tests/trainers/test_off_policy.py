@@ -108,6 +108,8 @@ def test_mismatch_stats_by_hand() -> None:
     fresh.add(prox, behav, mask, versions, 2, w, mode="tis", tis_cap=1.5)
     assert fresh.metrics()["off_policy/fresh_fraction"] == pytest.approx(1 / 3)
     assert fresh.metrics()["off_policy/fresh_mismatch_kl"] == pytest.approx(math.expm1(d[2]) - d[2])
+    assert fresh.metrics()["off_policy/fresh_max_abs_dlogp"] == pytest.approx(math.log(2))  # |log 0.5|, not stale log 2's
+    assert "off_policy/fresh_max_abs_dlogp" not in m
     merged = MismatchStats()
     merged.merge_(fresh.as_tensor())  # the all-reduce path carries the fresh sums too
     assert merged.metrics()["off_policy/fresh_mismatch_kl"] == fresh.metrics()["off_policy/fresh_mismatch_kl"]

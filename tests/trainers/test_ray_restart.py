@@ -17,42 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from process_tree import titled
 
 from agentrl.store import TrajectoryStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.distributed]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc: no psutil needed)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _rank_processes(pid: int) -> list[int]:
-    """The trainer-rank actors of the run started as `pid` (Ray titles them `ray::_Rank...`)."""
-    found = []
-    for child in _descendants(pid):
-        try:
-            title = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if title.startswith(b"ray::_Rank"):
-            found.append(child)
-    return found
 
 
 def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path: Path, ray_train_cmd: Any) -> None:
@@ -69,7 +38,7 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path: Path, ray
                 assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
                 assert time.monotonic() < deadline, "no checkpoint at step 1"
                 time.sleep(0.2)
-            ranks = _rank_processes(proc.pid)
+            ranks = titled(proc.pid, "ray::_Rank")  # the rank actors of this run
             assert len(ranks) == 2, f"expected the 2 rank actors below the run, found {ranks}"
             os.kill(ranks[1], signal.SIGKILL)
             _out, err = proc.communicate(timeout=900)
