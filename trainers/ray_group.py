@@ -221,7 +221,8 @@ class _RemoteWeights:
         def helpers(dtype: Any, bucket_mb: float | None) -> list[Any]:  # FSDP / ZeRO-3: the others gather along
             return [r.drain_weights.remote(dtype, bucket_mb) for r in ranks[1:]] if group.gathers_weights else []
 
-        return RankZeroSender(ranks[0], self._bucket_mb, helpers)
+        return RankZeroSender(ranks[0], self._bucket_mb, helpers,
+                              device="cuda" if group.config.num_gpus_per_rank > 0 else "cpu")  # fmt: skip
 
 
 class RayTrainerGroup:

@@ -512,11 +512,12 @@ class TorchTrainer:
 
             bucket_bytes = int(bucket_mb * 1024 * 1024)
             return NamedTensorBuckets(lambda: gathered_named_tensors(self.model, bucket_bytes), bucket_mb=bucket_mb,
-                                      dtype=dtype)  # fmt: skip
+                                      dtype=dtype, source_device=torch.device(self.device).type)  # fmt: skip
         return NamedTensorBuckets(
             lambda: ((name, full_tensor(t)) for name, t in hf_named_tensors(self.model)),
             bucket_mb=bucket_mb,
             dtype=dtype,
+            source_device=torch.device(self.device).type,
         )
 
     @property

@@ -131,7 +131,8 @@ class LocalWeightSender:
 
     local = True
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
         self._broadcaster = WeightBroadcaster()
 
     async def rendezvous(self) -> tuple[str, int]:
@@ -193,8 +194,11 @@ class RankZeroSender:
 
     local = False
 
-    def __init__(self, rank0: Any, bucket_mb: float | None, helpers: Callable[[Any, float | None], list[Any]]) -> None:
-        self._rank0, self._bucket_mb, self._helpers = rank0, bucket_mb, helpers
+    def __init__(
+        self, rank0: Any, bucket_mb: float | None, helpers: Callable[[Any, float | None], list[Any]], *,
+        device: str = "cpu",
+    ) -> None:  # fmt: skip
+        self._rank0, self._bucket_mb, self._helpers, self.device = rank0, bucket_mb, helpers, device
 
     async def rendezvous(self) -> tuple[str, int]:
         host, port = await self._rank0.weight_group.remote("rendezvous")

@@ -31,6 +31,7 @@ class NamedTensorBuckets:
         bucket_mb: float = 256.0,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        source_device: str = "cpu",
     ) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
@@ -38,6 +39,7 @@ class NamedTensorBuckets:
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
         self.dtype = dtype
         self.device = device
+        self.source_device = source_device  # where the trainer's tensors live: picks the broadcast's backend
         self.sent_bytes = 0  # what `buckets()` has handed out so far (the run logs `weight_sync/*`)
         self.sent_buckets = 0
 
@@ -81,7 +83,7 @@ class NamedTensorBuckets:
         """This process as rank 0 of a weight-transfer group (`agentrl.engines.weight_transfer.WeightSender`)."""
         from agentrl.trainers.weight_broadcast import LocalWeightSender
 
-        return LocalWeightSender()
+        return LocalWeightSender(self.source_device)
 
 
 def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

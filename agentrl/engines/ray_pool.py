@@ -76,6 +76,7 @@ from agentrl.engines.weight_transfer import (
     WeightSender,
     WeightSyncError,
     check_transport,
+    group_backend,
     sender_of,
     together,
 )
@@ -457,7 +458,7 @@ class RayEnginePool:
         for h in handles:
             offsets.append(rank)
             rank += self._workers[h]
-        spec = GroupSpec(host, port, rank, timeout)
+        spec = GroupSpec(host, port, rank, timeout, backend=group_backend(sender.device, self.config.num_gpus > 0))
         joins = [_within(h.join_weight_group.remote(spec.worker_init(o)), timeout + 15)
                  for h, o in zip(handles, offsets, strict=True)]  # fmt: skip
         await together(sender.connect(spec), *joins)

@@ -54,6 +54,7 @@ from agentrl.engines.weight_transfer import (
     WeightSender,
     WeightSyncError,
     check_transport,
+    group_backend,
     sender_of,
     together,
     vllm_backend_installed,
@@ -369,7 +370,8 @@ class VLLMEngine:
                             "cannot be broadcast (no weight_sender()); use weight_transport=shm"
                         )
                     host, port = await sender.rendezvous()
-                    spec = GroupSpec(host, port, 1 + self.weight_workers(), timeout)
+                    spec = GroupSpec(host, port, 1 + self.weight_workers(), timeout,
+                                     backend=group_backend(sender.device, _on_gpu()))  # fmt: skip
                     await together(sender.connect(spec), self.join_weight_group(spec.worker_init(1)))
                     self._sender = sender
                 await together(self._receive(version), sender.send(weights, self.serving_dtype(), timeout))
@@ -467,3 +469,10 @@ class VLLMEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _on_gpu() -> bool:
+    """Whether vLLM runs on CUDA GPUs here (its workers then receive a broadcast over nccl)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())

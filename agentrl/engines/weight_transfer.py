@@ -83,6 +83,7 @@ class WeightSender(Protocol):
     """
 
     local: bool  # True when rank 0 is this process (the trainer is colocated with the driver)
+    device: str  # where rank 0 holds the weights it sends: "cpu" or "cuda"
 
     async def rendezvous(self) -> tuple[str, int]: ...
 
@@ -91,6 +92,15 @@ class WeightSender(Protocol):
     async def send(self, source: WeightSource, dtype: str, timeout_s: float) -> dict[str, float]: ...
 
     async def close(self) -> None: ...
+
+
+def group_backend(sender_device: str, engines_on_gpu: bool) -> str:
+    """The group's torch.distributed backend: nccl when both ends hold their weights on GPUs, else gloo.
+
+    With gloo a GPU end stages each bucket through host memory (the trainer
+    packs it on the CPU; a worker copies what it received to its device).
+    """
+    return "nccl" if sender_device == "cuda" and engines_on_gpu else "gloo"
 
 
 def sender_of(source: WeightSource) -> WeightSender | None:
