@@ -62,6 +62,7 @@ from agentrl.engines.weight_transfer import (
 from agentrl.types import Completion, FinishReason
 
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
+_BUCKETS_PREFIX = "agentrl-weights-"  # + the writing process's pid: a folder whose writer is gone is an orphan
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 # Engine args this engine sets itself: `engine_args` may not override them.
 _OWN_ARGS = frozenset(
@@ -255,7 +256,9 @@ class VLLMEngine:
             self.last_update_s = time.monotonic() - started
             return
         async with asyncio.timeout(self.config.update_timeout_s), self._lock():
-            folder = Path(tempfile.mkdtemp(prefix="agentrl-weights-", dir=self._weights_dir()))
+            parent = self._weights_dir()
+            remove_orphaned_buckets(Path(parent or tempfile.gettempdir()))
+            folder = Path(tempfile.mkdtemp(prefix=f"{_BUCKETS_PREFIX}{os.getpid()}-", dir=parent))
             try:
                 paths = await asyncio.to_thread(self._write_buckets, weights, folder)
                 keep = self.config.update_mode == "continue_new"
@@ -476,3 +479,18 @@ def _on_gpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cuda())
+
+
+def remove_orphaned_buckets(parent: Path) -> list[Path]:
+    """Delete `shm` bucket folders under `parent` whose writing process is gone (killed mid-sync); return them.
+
+    Such a folder holds a whole model's weights in RAM (/dev/shm) until the
+    machine reboots; the next sync on the machine removes it.
+    """
+    removed = []
+    for folder in parent.glob(f"{_BUCKETS_PREFIX}*-*"):
+        pid = folder.name.removeprefix(_BUCKETS_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed

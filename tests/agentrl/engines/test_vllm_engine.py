@@ -10,6 +10,9 @@ overtook.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -258,3 +261,20 @@ def test_agentrl_train_with_the_vllm_engine(tmp_path: Path, tiny_llama64_path: s
     prompted = [r["rollout/engine/prompt_tokens"] for r in steps]  # vLLM's scheduler, as the run logs it
     assert 0 < prompted[0] < prompted[1] < prompted[2]
     assert all(0 <= r["rollout/engine/kv_cache_usage"] <= 1 for r in steps)
+
+
+def test_bucket_folders_of_a_killed_process_are_removed(tmp_path: Path) -> None:
+    """An `shm` sync killed midway leaves a model's weights in /dev/shm; the next sync on the machine deletes them."""
+    from agentrl.engines.vllm_engine import remove_orphaned_buckets
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"agentrl-weights-{gone.pid}-k3j2"
+    orphan.mkdir()
+    (orphan / "bucket-0.safetensors").write_bytes(b"\0" * 1024)
+    live = tmp_path / f"agentrl-weights-{os.getpid()}-a1b2"  # a sync in progress, in this process
+    live.mkdir()
+    unrelated = tmp_path / "agentrl-weights-notapid"
+    unrelated.mkdir()
+    assert remove_orphaned_buckets(tmp_path) == [orphan]
+    assert not orphan.exists() and live.is_dir() and unrelated.is_dir()
