@@ -102,6 +102,7 @@ async def test_a_dead_replica_is_routed_around_then_restarted_with_the_current_w
 
     current = load_model(tiny_llama_path, seed=4)
     version = pool.policy_version + 1
+    syncs_before = pool.stats()["object_store_syncs"]
     await pool.update_weights(NamedTensorBuckets(lambda: hf_named_tensors(current), bucket_mb=0.2), version)
     # the conversation's replica dies: its next turn is retried on the other one
     first = await pool.generate(PROMPT, Sampling(max_tokens=4, seed=1))
@@ -121,7 +122,8 @@ async def test_a_dead_replica_is_routed_around_then_restarted_with_the_current_w
     health = await pool.health()
     assert health.ok and health.detail["replicas_alive"] == 2 and health.detail["replica_restarts"] == 1
     assert pool.stats() == {"replicas": 2.0, "replicas_alive": 2.0, "replicas_restarting": 0.0, "replica_restarts": 1.0,
-                            "retried_requests": float(pool.retried), "weight_sync_failures": 0.0}  # fmt: skip
+                            "retried_requests": float(pool.retried), "weight_sync_failures": 0.0,
+                            "collective_syncs": 0.0, "object_store_syncs": syncs_before + 1}  # fmt: skip
 
 
 @pytest.mark.asyncio(loop_scope="module")
