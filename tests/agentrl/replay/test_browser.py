@@ -175,7 +175,8 @@ def test_reexecute_button(server: str, page: Any) -> None:
     page.click("#check")
     page.wait_for_selector("#check-verdict")
     assert page.locator("#check-verdict").text_content().startswith("✔ reproduces")
-    page.goto(server + "/#/t/mul-bad")
+    page.goto(server + "/#/t/mul-bad")  # a hash change: the old view stays until the new one renders
+    page.wait_for_selector("h2:has-text('Trajectory mul-bad')")
     page.click("#check")
     page.wait_for_selector("#check-verdict")
     assert "does not reproduce" in page.locator("#check-verdict").text_content()
