@@ -88,6 +88,11 @@ class RayTrainerConfig(TrainerConfig):
     def _resources(cls, value: dict[str, float]) -> dict[str, float]:
         return check_resources(value, key="trainer.resources")
 
+    @property
+    def rank_device(self) -> Literal["cuda", "cpu"]:
+        """Where each rank trains and holds its weights: cuda when Ray gives it GPUs."""
+        return "cuda" if self.num_gpus_per_rank > 0 else "cpu"
+
     @model_validator(mode="after")
     def _fits_the_group(self) -> RayTrainerConfig:
         if self.world_size % self.sequence_parallel_size:
@@ -221,8 +226,7 @@ class _RemoteWeights:
         def helpers(dtype: Any, bucket_mb: float | None) -> list[Any]:  # FSDP / ZeRO-3: the others gather along
             return [r.drain_weights.remote(dtype, bucket_mb) for r in ranks[1:]] if group.gathers_weights else []
 
-        return RankZeroSender(ranks[0], self._bucket_mb, helpers,
-                              device="cuda" if group.config.num_gpus_per_rank > 0 else "cpu")  # fmt: skip
+        return RankZeroSender(ranks[0], self._bucket_mb, helpers, device=group.config.rank_device)
 
 
 class RayTrainerGroup:
@@ -269,12 +273,11 @@ class RayTrainerGroup:
             ]  # fmt: skip
             host, port = self._call([self._ranks[0].rendezvous.remote()], cfg.start_timeout_s, "start",
                                     key="trainer.start_timeout_s")[0]  # fmt: skip
-            gpu = cfg.num_gpus_per_rank > 0
-            backend = cfg.backend if cfg.backend != "auto" else ("nccl" if gpu else "gloo")
+            backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cfg.rank_device == "cuda" else "gloo")
             rank_config = TrainerConfig.model_validate(cfg.model_dump(include=set(TrainerConfig.model_fields)))
             versions = self._call(
                 [r.setup.remote(host, port, backend, rank_config.model_dump(mode="json"), self.model_path,
-                                "cuda" if gpu else "cpu", cfg.step_timeout_s, max(1, int(cfg.num_cpus_per_rank)))
+                                cfg.rank_device, cfg.step_timeout_s, max(1, int(cfg.num_cpus_per_rank)))
                  for r in self._ranks],
                 cfg.start_timeout_s, "start", key="trainer.start_timeout_s",
             )  # fmt: skip

@@ -507,17 +507,18 @@ class TorchTrainer:
         it is read (the `ray` trainer does this).
         """
         bucket_mb = bucket_mb or self.config.weight_bucket_mb
+        source_device = torch.device(self.device).type
         if self.partitioned:
             from agentrl.trainers.deepspeed_backend import gathered_named_tensors
 
             bucket_bytes = int(bucket_mb * 1024 * 1024)
             return NamedTensorBuckets(lambda: gathered_named_tensors(self.model, bucket_bytes), bucket_mb=bucket_mb,
-                                      dtype=dtype, source_device=torch.device(self.device).type)  # fmt: skip
+                                      dtype=dtype, source_device=source_device)  # fmt: skip
         return NamedTensorBuckets(
             lambda: ((name, full_tensor(t)) for name, t in hf_named_tensors(self.model)),
             bucket_mb=bucket_mb,
             dtype=dtype,
-            source_device=torch.device(self.device).type,
+            source_device=source_device,
         )
 
     @property

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -22,9 +24,11 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
 
 
-def start_gateway(tmp_path: Path) -> subprocess.Popen[str]:
+@contextmanager
+def running_gateway(tmp_path: Path, stop: signal.Signals) -> Iterator[str]:
     """`agentrl gateway` on a scripted engine, started as a non-interactive shell starts a background job:
-    with SIGINT ignored (the gateway must still stop on it)."""
+    with SIGINT ignored (the gateway must still stop on it). Yields its URL; on exit sends `stop` and
+    asserts a clean exit."""
     config = {
         "run": {"name": "remote", "output_dir": str(tmp_path)},
         "env": {"name": "agent", "agent": "some.module:solve", "tasks": [{"id": "a"}], "gateway": {"model_name": "policy"}},
@@ -33,31 +37,28 @@ def start_gateway(tmp_path: Path) -> subprocess.Popen[str]:
     }
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl.cli", "gateway", str(path), "--token", "admin-token-for-tests-123"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )  # fmt: skip
-
-
-def test_sigterm_stops_the_gateway(tmp_path: Path) -> None:
-    proc = start_gateway(tmp_path)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.startswith("agentrl gateway: http://127.0.0.1:"), line + (proc.stderr.read() if proc.stderr else "")
+        yield line.split()[2]
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         assert proc.wait(timeout=30) == 0
 
 
+def test_sigterm_stops_the_gateway(tmp_path: Path) -> None:
+    with running_gateway(tmp_path, signal.SIGTERM) as url:
+        assert url.startswith("http://127.0.0.1:")
+
+
 def test_remote_agent_episodes_are_stored(tmp_path: Path) -> None:
-    proc = start_gateway(tmp_path)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("agentrl gateway: http://127.0.0.1:"), line + (proc.stderr.read() if proc.stderr else "")
-        url = line.split()[2]
+    with running_gateway(tmp_path, signal.SIGINT) as url:
         admin = {"Authorization": "Bearer admin-token-for-tests-123"}
         opened = httpx.post(f"{url}/sessions", json={"task": {"id": "t1", "question": "2 + 3"}}, headers=admin).json()
         client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0)
@@ -77,9 +78,6 @@ def test_remote_agent_episodes_are_stored(tmp_path: Path) -> None:
         assert closed["calls"] == 2 and closed["reward"] == 1.0 and len(closed["trajectories"]) == 1
         assert httpx.post(f"{opened['base_url']}/chat/completions", json={"messages": messages},
                           headers={"Authorization": f"Bearer {opened['api_key']}"}).status_code == 409
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
     [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir()]
     store = TrajectoryStore(run_dir / "trajectories.sqlite")
     [record] = list(store.iter_records())
