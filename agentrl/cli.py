@@ -23,7 +23,7 @@ from rich.text import Text
 
 from agentrl.errors import AgentrlError
 
-CONTRIBUTED = ("agentrl.replay.cli", "agentrl.sandboxes.cli", "agentrl.train_cli", "agentrl.gateway.cli")
+CONTRIBUTED = ("agentrl.replay.cli", "agentrl.sandboxes.cli", "agentrl.run.commands", "agentrl.gateway.cli")
 EXIT_USAGE = 2
 EXIT_CHECK_FAILED = 1
 
@@ -116,7 +116,7 @@ def check_env_command(
     timeout: Annotated[float, typer.Option(help="Deadline in seconds for each env call.")] = 30.0,
 ) -> None:
     """Check an env against the agentrl env contract (like gymnasium's env_checker)."""
-    from agentrl.env_check import EnvCheckError, check_env
+    from agentrl.envkit.check import EnvCheckError, check_env
 
     plugins = _discover(plugin)
     env = plugins.create_env(name, _parse_params(param))
@@ -201,7 +201,7 @@ def train(
             raise AgentrlError(f"--resume {resume}: no config.yaml there; is it an agentrl run directory?")
     run_config = load_config(config, overrides or [])
     try:
-        loop = importlib.import_module("agentrl.loop")
+        loop = importlib.import_module("agentrl.run.loop")
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith("agentrl"):
             raise AgentrlError(f"agentrl train is not available in this install: {e}") from None

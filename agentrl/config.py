@@ -30,10 +30,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from agentrl.alerts import AlertsSection
 from agentrl.errors import ConfigError, PluginError, config_error
 from agentrl.registry import Plugins
-from agentrl.rollout_config import RolloutConfig
+from agentrl.rollout.config import RolloutConfig
+from agentrl.run.alerts import AlertsSection
 
 Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 

@@ -246,7 +246,7 @@ class Trajectory:
     """How many leading `messages` were the prompt the episode started from (the env's
     opening: system prompt, few-shot demonstrations, the task); the rest are the episode's
     own turns and replies. None when not recorded (older trajectories): readers infer it
-    (`agentrl.store_summary.prompt_length`)."""
+    (`agentrl.store.summary.prompt_length`)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -18,11 +18,11 @@ import asyncio
 import os
 import time
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.engines.scripted import Distribution, ScriptedEngine
-from agentrl.rollout import RolloutManager
-from agentrl.rollout_config import RolloutConfig
-from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
+from agentrl.envkit.testing import TrivialEnv, TrivialEnvConfig
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.manager import RolloutManager
 
 
 async def run_mode(staleness: int, args: argparse.Namespace) -> tuple[float, float, float]:

@@ -6,7 +6,7 @@ tasks in the same order, the same prompts (token-identical: few-shot demos and
 tool description included), group size, completions per optimizer step,
 turns, new tokens per turn, sampling, learning rate, precision and LoRA.
 
-- agentrl runs the real training path (`agentrl.loop.train`) with eval off and
+- agentrl runs the real training path (`agentrl.run.loop.train`) with eval off and
   no warm start, once at `rollout.max_staleness=1` and once at `0`.
 - TRL runs `GRPOTrainer` (multi-turn tool calling with its own `tools=` loop,
   plain transformers `generate`, no vLLM, beta=0, fp32) on the same prompts;
@@ -138,7 +138,7 @@ def build_prompts(config: RunConfig, n: int) -> list[Prompt]:
     the model's chat template cannot; the same preprocessing is applied here
     so TRL renders the same text with the same template.
     """
-    from agentrl.chat import (
+    from agentrl.chat.conversation import (
         Budgets,
         Conversation,
         HFChatTokenizer,
@@ -146,7 +146,7 @@ def build_prompts(config: RunConfig, n: int) -> list[Prompt]:
         with_tools_system_prompt,
     )
     from agentrl.engines.models import resolve_model
-    from agentrl.task_stream import TaskStream
+    from agentrl.rollout.task_stream import TaskStream
 
     tokenizer = HFChatTokenizer.from_pretrained(resolve_model(config.model.path))
     env = config.registry().create_env(config.env.name, config.env.params)
@@ -206,7 +206,7 @@ def measure(step_end_times: Sequence[float], tokens: Sequence[float], warmup: in
 
 
 def run_agentrl(args: argparse.Namespace, staleness: int) -> Result:
-    from agentrl.loop import train
+    from agentrl.run.loop import train
 
     with tempfile.TemporaryDirectory(prefix="e2e-vs-trl-") as tmp:
         config = load_workload(args, f"rollout.max_staleness={staleness}", f"run.output_dir={tmp}")
@@ -400,7 +400,7 @@ def with_hermes_calls(template: str) -> str:
     """The model's chat template, made to render `tool_calls` the way agentrl does for it.
 
     GRPOTrainer refuses a template that drops tool calls. agentrl writes them
-    into the assistant content in Hermes format (`agentrl.chat.hermes_content`)
+    into the assistant content in Hermes format (`agentrl.chat.conversation.hermes_content`)
     for such templates; this does the same inside the template, so every
     conversation without `tool_calls` renders exactly as before.
     """

@@ -34,12 +34,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import openai
 
-from agentrl.chat import Budgets, Conversation, HFChatTokenizer
+from agentrl.chat.conversation import Budgets, Conversation, HFChatTokenizer
+from agentrl.chat.tool_parsers import HermesParser
 from agentrl.engines.base import Sampling
 from agentrl.engines.hf import HFEngine
 from agentrl.engines.models import resolve_model
 from agentrl.gateway import Backend, Gateway, GatewayConfig, TrainerSampling
-from agentrl.tool_parsers import HermesParser
 from agentrl.types import Message
 
 SYSTEM = "You are a helpful assistant. Answer in a few sentences."

@@ -69,7 +69,7 @@ async def run(args: argparse.Namespace) -> None:
 
     from agentrl.engines.models import resolve_model
     from agentrl.engines.ray_pool import RayEnginePool, ReplicaSpec
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     path = resolve_model(args.model)
     pool = RayEnginePool(RayEnginePool.Config(

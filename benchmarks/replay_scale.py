@@ -35,10 +35,10 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.replay.server import ReplaySettings, create_app
 from agentrl.replay.synthetic import synthetic_group
-from agentrl.store import STORE_FILENAME, TrajectoryStore
+from agentrl.store.trajectory_store import STORE_FILENAME, TrajectoryStore
 
 FILTERS = {
     "env+reward": "env=python_sandbox&reward_min=1",

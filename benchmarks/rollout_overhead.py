@@ -41,14 +41,14 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.engines.base import EngineHealth, Sampling, WeightSource
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.env import Env, StepResult, Task
-from agentrl.rollout import RolloutManager
-from agentrl.rollout_config import RolloutConfig
-from agentrl.rollout_episode import run_episode
-from agentrl.testing_envs import TrivialEnv, TrivialEnvConfig
+from agentrl.envkit.testing import TrivialEnv, TrivialEnvConfig
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.episode import run_episode
+from agentrl.rollout.manager import RolloutManager
 from agentrl.types import Completion, Message
 
 TURNS = 8

@@ -33,7 +33,7 @@ async def tokens_per_s(engine: Any, batch: list[list[int]], max_new: int) -> flo
 
 
 async def update_s(engine: Any, model: Any, version: int) -> float:
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     start = time.perf_counter()
     await engine.update_weights(NamedTensorBuckets(lambda: hf_named_tensors(model)), version)

@@ -101,7 +101,7 @@ class Result:
 
 
 def _source(model: Any, bucket_mb: float) -> Any:
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     return NamedTensorBuckets(lambda: hf_named_tensors(model), bucket_mb=bucket_mb)
 

@@ -42,16 +42,16 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from agentrl.chat import Budgets, ChatTokenizer
+from agentrl.chat.conversation import Budgets, ChatTokenizer
+from agentrl.chat.tool_parsers import get_parser
 from agentrl.engines.base import InferenceEngine
 from agentrl.env import Env, EnvConfig, StepResult, Task
+from agentrl.envkit.rewards import RewardResult
 from agentrl.gateway import Backend, Gateway, GatewayConfig, Session, TrainerSampling
 from agentrl.gateway.episodes import RemoteAgents
-from agentrl.resources import RunResources
-from agentrl.rewards import RewardResult
-from agentrl.rollout_config import RolloutConfig
-from agentrl.rollout_episode import classify
-from agentrl.tool_parsers import get_parser
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.episode import classify
+from agentrl.run.resources import RunResources
 from agentrl.types import JSON, EpisodeError, ErrorClass, Message, Trajectory
 
 from .reward_specs import NamedReward, RewardSpec, build_rewards, score_all

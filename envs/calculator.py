@@ -29,8 +29,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from agentrl.env import EnvConfig, Task
-from agentrl.rewards import RewardResult
-from agentrl.tool_env import ToolEnv, ToolEnvConfig
+from agentrl.envkit.rewards import RewardResult
+from agentrl.envkit.tool_env import ToolEnv, ToolEnvConfig
 from agentrl.tools import tool
 from agentrl.types import Message, ToolCall
 

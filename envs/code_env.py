@@ -25,7 +25,7 @@ from pydantic import Field
 
 from agentrl.env import Env, EnvConfig, StepResult, Task
 from agentrl.registry import PluginRef
-from agentrl.resources import RunResources
+from agentrl.run.resources import RunResources
 from agentrl.types import JSON, Message
 
 from .tool_support import resolve_plugins, run_resources

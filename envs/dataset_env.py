@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentrl.env import EnvConfig, Task
-from agentrl.resources import RunResources
+from agentrl.run.resources import RunResources
 from agentrl.types import JSON, Message
 
 from .reward_specs import NamedReward

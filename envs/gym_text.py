@@ -14,7 +14,7 @@ Blackjack use the seed for the start state / the first cards. The episode seed
 drawn), so the samples of a group play the same start. Train and test seeds
 are disjoint ranges derived from `seed`, so ids are stable across runs.
 
-Unlike the generic `gymnasium` adapter (agentrl.gym_bridge), this env knows
+Unlike the generic `gymnasium` adapter (agentrl.envkit.gym_bridge), this env knows
 its three games: readable boards and legends, named actions, per-seed maps.
 """
 

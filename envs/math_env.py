@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from agentrl.env import EnvConfig, Task
-from agentrl.resources import RunResources
+from agentrl.run.resources import RunResources
 from agentrl.tools import Tool, tool
 from agentrl.types import JSON, Message
 

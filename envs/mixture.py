@@ -34,7 +34,7 @@ from pydantic import Field, model_validator
 from agentrl.env import MIX_MEMBER_KEY as MEMBER_KEY
 from agentrl.env import Env, EnvConfig, StepResult, Task
 from agentrl.registry import PluginRef
-from agentrl.resources import RunResources
+from agentrl.run.resources import RunResources
 from agentrl.types import JSON, Message
 
 from .tool_support import resolve_plugins, run_resources

@@ -7,7 +7,7 @@ a batch to fill) and run on one worker thread owned by this object, so the event
 loop never blocks on a forward pass. torch/transformers are imported only there.
 
 Use it alone as an env's reward, or mixed with verifiers through
-`agentrl.rewards.weighted([("rm", 0.3, rm), ("math", 1.0, verifier)], ...)`.
+`agentrl.envkit.rewards.weighted([("rm", 0.3, rm), ("math", 1.0, verifier)], ...)`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.env import Task
-from agentrl.rewards import RewardResult
+from agentrl.envkit.rewards import RewardResult
 from agentrl.types import Message
 
 

@@ -3,7 +3,7 @@
 Envs that let the user pick how they are scored (`dataset`, `math`) keep a
 list of `RewardSpec`s in their config; `build_rewards` turns them into reward
 objects (entry-point group `agentrl.rewards`, or `@agentrl.reward` in a user
-module) and `score_all` combines them with `agentrl.rewards.weighted`.
+module) and `score_all` combines them with `agentrl.envkit.rewards.weighted`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from agentrl.env import Task
+from agentrl.envkit.rewards import Reward, RewardResult, weighted
 from agentrl.registry import PluginRef
-from agentrl.rewards import Reward, RewardResult, weighted
 from agentrl.types import JSON, Message
 
 NamedReward = tuple[str, float, Reward]

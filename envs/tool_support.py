@@ -7,7 +7,7 @@ tool call ends the episode with the reward from the configured reward plugins.
 With no tools at all the first reply ends the episode: single turn.
 
 Reward objects and sandboxes are shared between the env instances of a run
-through the run's `RunResources` (agentrl/resources.py): the rollout manager
+through the run's `RunResources` (agentrl/run/resources.py): the rollout manager
 builds one env per episode, the run closes the shared objects at its end.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from agentrl.env import Task
+from agentrl.envkit.rewards import RewardResult
+from agentrl.envkit.tool_env import ToolEnv, ToolEnvConfig
 from agentrl.registry import check_named_plugin
-from agentrl.resources import RunResources
-from agentrl.rewards import RewardResult
-from agentrl.tool_env import ToolEnv, ToolEnvConfig
+from agentrl.run.resources import RunResources
 from agentrl.tools import Tool
 from agentrl.types import Message
 

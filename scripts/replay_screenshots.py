@@ -22,7 +22,7 @@ from typing import Any
 
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.server import serve_in_thread
-from agentrl.store import resolve_store_path, upgrade_store
+from agentrl.store.trajectory_store import resolve_store_path, upgrade_store
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -241,7 +241,7 @@ def _copy_tokenizer(src: str, out: Path) -> None:
 
 
 def _load_model(trainer: TorchTrainer, path: Path) -> None:
-    from agentrl.trainers.weights import tied_aliases
+    from agentrl.weights.buckets import tied_aliases
 
     if trainer.config.lora is not None:
         from peft import set_peft_model_state_dict

@@ -192,7 +192,7 @@ def gathered_named_tensors(model: nn.Module, bucket_bytes: int) -> Iterator[tupl
     """
     from deepspeed.runtime.zero import GatheredParameters
 
-    from agentrl.trainers.weights import tied_aliases
+    from agentrl.weights.buckets import tied_aliases
 
     peft = hasattr(model, "get_base_model") and hasattr(model, "peft_config")
     base: nn.Module = model.get_base_model() if peft else model  # type: ignore[operator]

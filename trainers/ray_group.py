@@ -44,7 +44,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from agentrl.errors import AgentrlError
-from agentrl.ray_runtime import actor_died, check_resources, require_free, start_or_join
+from agentrl.run.ray_runtime import actor_died, check_resources, require_free, start_or_join
 from agentrl.trainer import TokenStats, Trainer, TrainStepResult, group_samples
 from agentrl.trainers.config import TrainerConfig
 from agentrl.types import Group, TrainSample
@@ -169,7 +169,7 @@ class _Rank:
 
     def weight_group(self, call: str, *args: Any) -> Any:
         """Rank 0 in the engines' weight-transfer group: broadcasts straight to vLLM's workers (weight_broadcast)."""
-        from agentrl.trainers.weight_broadcast import rank_call
+        from agentrl.weights.sender import rank_call
 
         return rank_call(self, call, *args)
 
@@ -218,7 +218,7 @@ class _RemoteWeights:
 
     def weight_sender(self) -> Any:
         """Rank 0 as the trainer's end of the engines' weight-transfer group (the `collective` transport)."""
-        from agentrl.trainers.weight_broadcast import RankZeroSender
+        from agentrl.weights.sender import RankZeroSender
 
         group = self._group
         ranks = group._ranks

@@ -73,8 +73,8 @@ from agentrl.trainers.optim import (
 from agentrl.trainers.packing import PackedBatch, padding_counts, padding_metrics
 from agentrl.trainers.shared_prefix import layout_cost
 from agentrl.trainers.token_stats import TokenStatsRecorder
-from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
 from agentrl.types import JSON, Group, TrainSample
+from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
 __all__ = ["TorchTrainer", "TrainerConfigError"]
 

@@ -70,7 +70,10 @@ from agentrl.engines.base import (
     WeightSource,
 )
 from agentrl.engines.routing import PrefixRouter
-from agentrl.engines.weight_transfer import (
+from agentrl.registry import PluginRef, Plugins
+from agentrl.run.ray_runtime import actor_died, check_resources, require_free, start_or_join
+from agentrl.types import JSON, Completion
+from agentrl.weights.transport import (
     GroupSpec,
     Transport,
     WeightSender,
@@ -80,9 +83,6 @@ from agentrl.engines.weight_transfer import (
     sender_of,
     together,
 )
-from agentrl.ray_runtime import actor_died, check_resources, require_free, start_or_join
-from agentrl.registry import PluginRef, Plugins
-from agentrl.types import JSON, Completion
 
 log = logging.getLogger(__name__)
 _POOL_TRANSPORTS = ("auto", "collective", "object_store")

@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.chat import ChatTokenizer
+from agentrl.chat.conversation import ChatTokenizer
 from agentrl.engines.base import EngineHealth, Sampling, TokenDelta, WeightSource
 from agentrl.types import Completion, FinishReason
 

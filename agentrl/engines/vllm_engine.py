@@ -47,7 +47,8 @@ from pydantic import Field, field_validator
 from agentrl.engines.base import BusyClock, EngineClosed, EngineHealth, Sampling, ServingConfig, WeightSource
 from agentrl.engines.models import resolve_model
 from agentrl.engines.vllm_stats import SchedulerCounters
-from agentrl.engines.weight_transfer import (
+from agentrl.types import Completion, FinishReason
+from agentrl.weights.transport import (
     VLLM_BACKEND,
     GroupSpec,
     Transport,
@@ -59,7 +60,6 @@ from agentrl.engines.weight_transfer import (
     together,
     vllm_backend_installed,
 )
-from agentrl.types import Completion, FinishReason
 
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
 _BUCKETS_PREFIX = "agentrl-weights-"  # + the writing process's pid: a folder whose writer is gone is an orphan

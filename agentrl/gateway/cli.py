@@ -31,7 +31,7 @@ from agentrl.gateway.session import Backend, Session
 
 if TYPE_CHECKING:
     from agentrl.config import RunConfig
-    from agentrl.store import TrajectoryStore
+    from agentrl.store.trajectory_store import TrajectoryStore
 
 
 def register(app: typer.Typer) -> None:
@@ -53,7 +53,7 @@ def gateway_command(
 ) -> None:
     """Serve the run's engine as an OpenAI-compatible gateway; closed episodes are stored for replay."""
     from agentrl.config import load_config
-    from agentrl.run_dir import RunDir
+    from agentrl.run.run_dir import RunDir
 
     run_config = load_config(config, overrides or [])
     settings = gateway_settings(run_config, host=host, port=port, token=token)
@@ -82,9 +82,9 @@ def gateway_settings(
 
 def build_backend(run_config: RunConfig, gateway: GatewayConfig) -> Backend:
     """The run's engine, chat template and rollout settings behind a gateway."""
-    from agentrl.chat import Budgets, HFChatTokenizer
+    from agentrl.chat.conversation import Budgets, HFChatTokenizer
+    from agentrl.chat.tool_parsers import get_parser
     from agentrl.engines.models import resolve_model
-    from agentrl.tool_parsers import get_parser
 
     plugins = run_config.registry()
     model_path = resolve_model(run_config.model.path)
@@ -131,7 +131,7 @@ async def serve(
     The handlers are installed explicitly because a process started in the background by a
     non-interactive shell inherits SIGINT as ignored, and `docker stop` / systemd send SIGTERM.
     """
-    from agentrl.store import TrajectoryStore
+    from agentrl.store.trajectory_store import TrajectoryStore
 
     stop = asyncio.Event()
     if stop_on_signals:

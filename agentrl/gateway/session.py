@@ -4,7 +4,7 @@ Each chat call's messages are matched against the session's branches (the
 conversations so far, newest first). A call *extends* a branch when it resends
 that branch's messages (assistant turns matched by their tool-call ids or
 text, never re-tokenised) followed by new ones: only the new messages go in,
-as a chat-template delta (`agentrl.chat.Conversation`). Any other call (history
+as a chat-template delta (`agentrl.chat.conversation.Conversation`). Any other call (history
 rewritten, dropped or summarised, other tools) starts a new branch from its own
 messages. A retried identical request gets the first answer again and adds no
 tokens (it waits for the first when that is still running).
@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from agentrl.chat import Budgets, ChatTokenizer, Conversation
+from agentrl.chat.conversation import Budgets, ChatTokenizer, Conversation
+from agentrl.chat.tool_parsers import ToolCallParser
 from agentrl.engines.base import InferenceEngine, Sampling, TokenDelta, generate_stream, join_deltas
 from agentrl.gateway.protocol import ChatRequest, ChatResult, GatewayError, TrainerSampling, bad
-from agentrl.tool_parsers import ToolCallParser
 from agentrl.types import JSON, Completion, Message, ToolCall, Trajectory, Turn, new_id
 
 RETRY_CACHE = 16  # answers kept per session for retried requests

@@ -16,8 +16,8 @@ from rich.table import Table
 from rich.text import Text
 
 from agentrl.replay.queries import TrajectoryQueries
-from agentrl.store import resolve_store_path, upgrade_store
-from agentrl.store_summary import prompt_layout
+from agentrl.store.summary import prompt_layout
+from agentrl.store.trajectory_store import resolve_store_path, upgrade_store
 from agentrl.types import Trajectory
 
 EXIT_USAGE = 2

@@ -1,8 +1,8 @@
 """The replay UI's questions to a trajectory store: filters, full-text search, pages, groups, per-step stats.
 
 Training never imports this module: it writes and resumes through
-`agentrl.store.TrajectoryStore`; this is the read model over the same tables
-(`agentrl.store_schema`) for the inspector, `agentrl show` and notebooks:
+`agentrl.store.trajectory_store.TrajectoryStore`; this is the read model over the same tables
+(`agentrl.store.schema`) for the inspector, `agentrl show` and notebooks:
 
     with TrajectoryQueries.open("runs/calculator") as q:
         page, cursor = q.page(TrajectoryFilter(env="calculator", reward_max=0.0), limit=20)
@@ -19,8 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from agentrl.store import TrajectoryStore
-from agentrl.store_schema import STORE_SCHEMA_VERSION, SUMMARY_COLUMNS
+from agentrl.store.schema import STORE_SCHEMA_VERSION, SUMMARY_COLUMNS
+from agentrl.store.trajectory_store import TrajectoryStore
 from agentrl.types import JSON
 
 Order = Literal["newest", "oldest", "reward_desc", "reward_asc", "length_desc", "length_asc"]
@@ -166,7 +166,7 @@ class TrajectoryQueries:
 
     A store written by an older agentrl (schema version 1) is refused with a
     message saying how to upgrade it: its counts, previews and search index
-    still include the prompt (`agentrl.store.upgrade_store` redoes them).
+    still include the prompt (`agentrl.store.trajectory_store.upgrade_store` redoes them).
     """
 
     def __init__(self, store: TrajectoryStore, *, owns_store: bool = False) -> None:
@@ -175,7 +175,7 @@ class TrajectoryQueries:
                 store.close()
             raise ValueError(
                 f"{store.path} was written by an older agentrl (store schema {store.schema_version}): "
-                "upgrade it once with `agentrl replay` or `agentrl.store.upgrade_store(path)`"
+                "upgrade it once with `agentrl replay` or `agentrl.store.trajectory_store.upgrade_store(path)`"
             )
         self.store = store
         self._owns_store = owns_store

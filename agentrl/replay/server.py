@@ -37,7 +37,7 @@ from agentrl.replay.overview import overview_layout
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.reexec import default_env_factory, recheck
 from agentrl.replay.tokens import TokenDecoder, json_safe, token_view
-from agentrl.store_summary import final_answer, prompt_layout, question
+from agentrl.store.summary import final_answer, prompt_layout, question
 
 STATIC_FILES = {  # URL path -> (package file, content type)
     "/": ("index.html", "text/html; charset=utf-8"),

@@ -18,8 +18,8 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.chat import ChatTokenizer, SimpleChatTokenizer
-from agentrl.store import TrajectoryStore
+from agentrl.chat.conversation import ChatTokenizer, SimpleChatTokenizer
+from agentrl.store.trajectory_store import TrajectoryStore
 from agentrl.types import EpisodeError, ErrorClass, Group, Message, ToolCall, Trajectory, Turn
 
 ENVS = ("calculator", "python_sandbox", "search_qa")

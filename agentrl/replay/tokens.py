@@ -48,11 +48,11 @@ class TokenDecoder:
         if spec is None or spec == "none":
             return cls(None, "none")
         if spec == "simple":
-            from agentrl.chat import SimpleChatTokenizer
+            from agentrl.chat.conversation import SimpleChatTokenizer
 
             return cls(SimpleChatTokenizer().decode, "simple")
         try:
-            from agentrl.chat import HFChatTokenizer
+            from agentrl.chat.conversation import HFChatTokenizer
             from agentrl.engines.models import ALIASES, cache_root
 
             path = Path(spec).expanduser()

@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from agentrl.envkit.rewards import RewardResult
 from agentrl.registry import check_named_plugin
-from agentrl.rewards import RewardResult
 from agentrl.types import Message
 
 from ..base import ExecRequest, ExecResult, Sandbox

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.rewards import RewardResult
+from agentrl.envkit.rewards import RewardResult
 from agentrl.types import Message
 
 from .workers import ProcessPool, WorkerError

@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from agentrl.cli import build_app
-from agentrl.store import TrajectoryStore
+from agentrl.store.trajectory_store import TrajectoryStore
 
 PLUGIN_SOURCE = '''
 import agentrl
@@ -183,7 +183,7 @@ def test_train_calls_the_loop_with_config_and_resume(
         calls.append((config, resume))
         return tmp_path / "runs" / "r1"
 
-    monkeypatch.setitem(sys.modules, "agentrl.loop", types.SimpleNamespace(train=fake_train))
+    monkeypatch.setitem(sys.modules, "agentrl.run.loop", types.SimpleNamespace(train=fake_train))
     path = write_config(tmp_path, plugin_module)
     code, out = invoke("train", str(path), "run.steps=3", "--resume", str(tmp_path / "runs" / "r0"))
     assert code == 0, out
@@ -194,7 +194,7 @@ def test_train_calls_the_loop_with_config_and_resume(
 
 
 def test_train_without_a_loop_says_so(tmp_path: Path, plugin_module: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "agentrl.loop", None)
+    monkeypatch.setitem(sys.modules, "agentrl.run.loop", None)
     code, out = invoke("train", str(write_config(tmp_path, plugin_module)))
     assert code == 2 and out.startswith("error: agentrl train is not available in this install")
 

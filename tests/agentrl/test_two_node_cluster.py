@@ -39,7 +39,7 @@ import pytest
 from engine_reference import NEEDS_VLLM
 from process_tree import all_with, cmdline, descendants, titled
 
-from agentrl.store import TrajectoryStore
+from agentrl.store.trajectory_store import TrajectoryStore
 
 pytestmark = [
     pytest.mark.slow,

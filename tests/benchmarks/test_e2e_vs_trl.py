@@ -83,7 +83,7 @@ def test_trl_tool_turn_matches_agentrl_conversation(bench: ModuleType, smollm2_p
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response, qwen3_template
 
-    from agentrl.chat import Conversation, HFChatTokenizer
+    from agentrl.chat.conversation import Conversation, HFChatTokenizer
     from agentrl.envs.calculator import calculator
     from agentrl.types import Completion, Message, ToolCall
 

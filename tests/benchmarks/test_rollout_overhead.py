@@ -12,9 +12,9 @@ from types import ModuleType
 
 import pytest
 
-from agentrl.chat import SimpleChatTokenizer
-from agentrl.rollout_config import RolloutConfig
-from agentrl.rollout_episode import run_episode
+from agentrl.chat.conversation import SimpleChatTokenizer
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.episode import run_episode
 
 
 @pytest.fixture(scope="module")

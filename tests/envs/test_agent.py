@@ -18,13 +18,13 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "agentrl" / "gateway"))
 
 from gateway_helpers import TOOLS, assert_token_exact, calc, calculator_reply, openai_agent
 
-from agentrl.chat import HFChatTokenizer
+from agentrl.chat.conversation import HFChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.env import EpisodeDriver
 from agentrl.envs.agent import AgentEnv, AgentEnvConfig
-from agentrl.rollout import RolloutManager
-from agentrl.rollout_config import RolloutConfig
-from agentrl.store import TrajectoryStore
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.manager import RolloutManager
+from agentrl.store.trajectory_store import TrajectoryStore
 from agentrl.types import ErrorClass, Group
 
 TASKS = [{"id": f"q{i}", "question": f"What is {a} + {b}?", "answer": a + b} for i, (a, b) in enumerate([(12, 30), (7, 8)])]

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from agentrl.chat import HFChatTokenizer
+from agentrl.chat.conversation import HFChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.envs.agent import AgentEnv, AgentEnvConfig
 from agentrl.envs.calculator import CalculatorConfig, CalculatorEnv
-from agentrl.rollout import RolloutManager
-from agentrl.rollout_config import RolloutConfig
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.manager import RolloutManager
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "openai-agent"
 PARAMS: dict[str, Any] = {"digits": 2, "num_operands": 2, "operators": ["+", "-", "*"], "style": "word", "n_train": 4}

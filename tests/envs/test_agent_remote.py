@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "agentrl" / "gateway"))
 
 from gateway_helpers import assert_token_exact, calculator_reply, openai_agent
 
-from agentrl.chat import HFChatTokenizer
+from agentrl.chat.conversation import HFChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.envs.agent import AgentEnv, AgentEnvConfig
-from agentrl.resources import RunResources
-from agentrl.rollout import RolloutManager
-from agentrl.rollout_config import RolloutConfig
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.manager import RolloutManager
+from agentrl.run.resources import RunResources
 from agentrl.types import ErrorClass, Trajectory
 
 pytestmark = pytest.mark.model

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from agentrl.store import TrajectoryStore
+from agentrl.store.trajectory_store import TrajectoryStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from agentrl.chat import Conversation, SimpleChatTokenizer, hermes_content
+from agentrl.chat.conversation import Conversation, SimpleChatTokenizer, hermes_content
 from agentrl.envs.calculator import (
     CALCULATOR,
     CalculatorConfig,
@@ -231,7 +231,7 @@ async def test_few_shot_demonstrations_are_prompt_tokens() -> None:
 
 
 async def test_check_env_passes() -> None:
-    from agentrl.env_check import acheck_env
+    from agentrl.envkit.check import acheck_env
 
     # with and without few-shot demonstration turns in the prompt
     for k in (0, 2):
@@ -241,8 +241,8 @@ async def test_check_env_passes() -> None:
 
 async def test_run_episode_with_the_scripted_engine() -> None:
     from agentrl.engines.scripted import ScriptedEngine
-    from agentrl.rollout_config import RolloutConfig
-    from agentrl.rollout_episode import run_episode
+    from agentrl.rollout.config import RolloutConfig
+    from agentrl.rollout.episode import run_episode
 
     env = small()
     task = env.tasks("test")[0]
@@ -277,7 +277,7 @@ def test_smollm2_makes_tool_calls_with_the_default_prompt(smollm2_path: str) -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.chat import HFChatTokenizer
+    from agentrl.chat.conversation import HFChatTokenizer
 
     tok = HFChatTokenizer.from_pretrained(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Every built-in env of this area passes agentrl.env_check.check_env."""
+"""Every built-in env of this area passes agentrl.envkit.check.check_env."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 from agentrl.env import Env, Task
-from agentrl.env_check import acheck_env
+from agentrl.envkit.check import acheck_env
+from agentrl.envkit.rewards import RewardResult
 from agentrl.envs.code_env import CodeEnv
 from agentrl.envs.dataset_env import DatasetEnv
 from agentrl.envs.gym_text import GymTextEnv
 from agentrl.envs.math_env import MathEnv
 from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
-from agentrl.resources import RunResources
-from agentrl.rewards import RewardResult
+from agentrl.run.resources import RunResources
 from agentrl.types import Message
 
 

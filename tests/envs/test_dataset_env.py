@@ -11,8 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from agentrl.env import Task
+from agentrl.envkit.rewards import RewardResult
 from agentrl.envs.dataset_env import DatasetEnv
-from agentrl.rewards import RewardResult
 from agentrl.types import Message
 
 ROWS = [

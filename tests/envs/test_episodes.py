@@ -6,16 +6,16 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.env import Env, Task
+from agentrl.envkit.rewards import RewardResult
 from agentrl.envs.code_env import CodeEnv
 from agentrl.envs.gym_text import GymTextEnv
 from agentrl.envs.math_env import MathEnv
 from agentrl.envs.reasoning_gym_env import ReasoningGymEnv
-from agentrl.rewards import RewardResult
-from agentrl.rollout_config import RolloutConfig
-from agentrl.rollout_episode import run_episode
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.episode import run_episode
 from agentrl.types import Message, Trajectory
 
 CONFIG = RolloutConfig(max_turns=12, max_total_tokens=8192, max_new_tokens_per_turn=512)

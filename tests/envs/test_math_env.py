@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from agentrl.env import Task
+from agentrl.envkit.rewards import RewardResult
 from agentrl.envs.math_env import MathEnv
-from agentrl.rewards import RewardResult
 from agentrl.types import Message
 
 

@@ -6,16 +6,16 @@ from collections import Counter
 
 import pytest
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.envs.mixture import MixEnv, interleave
 from agentrl.errors import ConfigError
-from agentrl.evaluation import EvalResult, reward_by_env
 from agentrl.registry import Plugins
-from agentrl.rollout_config import RolloutConfig
-from agentrl.rollout_episode import run_episode
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.episode import run_episode
+from agentrl.run.evaluation import EvalResult, reward_by_env
+from agentrl.run.wiring import batch_metrics
 from agentrl.types import Group
-from agentrl.wiring import batch_metrics
 
 CALC = {"name": "calculator", "params": {"n_train": 20, "n_test": 6}, "weight": 1}
 LAKE = {"name": "gym_text", "params": {"game": "frozenlake", "train_size": 5, "test_size": 3}, "weight": 3,

@@ -48,7 +48,7 @@ def test_plugin_env_and_tool_work_through_the_registry(installed: dict[str, str]
     script = """
 import asyncio
 from agentrl import Plugins, Message
-from agentrl.env_check import check_env
+from agentrl.envkit.check import check_env
 
 plugins = Plugins.discover()
 env = plugins.create_env("guess_number", {"high": 16, "max_guesses": 4})

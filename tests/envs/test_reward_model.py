@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from agentrl.env import Task
+from agentrl.envkit.rewards import RewardResult, weighted
 from agentrl.envs.reward_model import RewardModelReward
-from agentrl.rewards import RewardResult, weighted
 from agentrl.types import Message
 
 pytestmark = pytest.mark.model

@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict
 
 import agentrl
 from agentrl.env import Task
+from agentrl.envkit.rewards import RewardResult
 from agentrl.envs.reward_specs import RewardSpec, build_rewards, score_all
 from agentrl.errors import ConfigError, PluginError
-from agentrl.rewards import RewardResult
 from agentrl.types import Message
 
 

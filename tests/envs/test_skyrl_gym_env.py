@@ -9,12 +9,12 @@ import pytest
 
 pytest.importorskip("skyrl_gym")
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
-from agentrl.env_check import check_env
+from agentrl.envkit.check import check_env
 from agentrl.envs.skyrl_gym_env import SkyRLGymEnv
-from agentrl.rollout_config import RolloutConfig
-from agentrl.rollout_episode import run_episode
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.episode import run_episode
 
 
 def rows(path: Path, items: list[dict[str, object]]) -> dict[str, str]:

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 import agentrl
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.envs.code_env import CodeEnv
 from agentrl.envs.dataset_env import DatasetEnv
 from agentrl.envs.math_env import MathEnv
-from agentrl.resources import RunResources
-from agentrl.rollout_config import RolloutConfig
-from agentrl.rollout_episode import run_episode
+from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.episode import run_episode
+from agentrl.run.resources import RunResources
 from agentrl.types import Trajectory
 
 

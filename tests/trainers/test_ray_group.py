@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from agentrl.errors import AgentrlError
-from agentrl.store import TrajectoryStore
+from agentrl.store.trajectory_store import TrajectoryStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.distributed]
 

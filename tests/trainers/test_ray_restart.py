@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from process_tree import titled
 
-from agentrl.store import TrajectoryStore
+from agentrl.store.trajectory_store import TrajectoryStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.ray, pytest.mark.distributed]
 

@@ -47,7 +47,7 @@ async def _exact_on_each(pool: Any, model: Any, version: int) -> None:
 @pytest.mark.asyncio
 async def test_replicas_spread_over_nodes_and_a_lost_node_is_replaced(cluster: Any, tiny_llama_path: str) -> None:
     from agentrl.engines.ray_pool import RayEnginePool, ReplicaSpec
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     first, second = cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

@@ -74,7 +74,7 @@ async def test_the_next_turn_goes_to_the_replica_holding_the_conversation(pool: 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_weight_update_reaches_every_replica(pool: Any, tiny_llama_path: str) -> None:
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     new = load_model(tiny_llama_path, seed=3)
     await pool.update_weights(NamedTensorBuckets(lambda: hf_named_tensors(new), bucket_mb=0.2), 1)
@@ -98,7 +98,7 @@ async def test_a_dead_replica_is_routed_around_then_restarted_with_the_current_w
 ) -> None:
     import ray
 
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     current = load_model(tiny_llama_path, seed=4)
     version = pool.policy_version + 1

@@ -50,7 +50,7 @@ async def pool(tiny_llama64_path: str) -> AsyncIterator[Any]:
 
 
 def _source(model: Any) -> Any:
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     return NamedTensorBuckets(lambda: hf_named_tensors(model), bucket_mb=0.3)
 

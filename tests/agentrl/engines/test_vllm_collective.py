@@ -46,7 +46,7 @@ async def engine(tiny_llama64_path: str) -> AsyncIterator[Any]:
 
 
 def _source(model: Any) -> Any:
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     return NamedTensorBuckets(lambda: hf_named_tensors(model), bucket_mb=0.3)  # several buckets per layer
 
@@ -144,7 +144,7 @@ class _StallingSource:
 async def test_a_stalled_sync_fails_within_its_deadline_and_the_next_one_recovers(
     engine: Any, tiny_llama64_path: str
 ) -> None:
-    from agentrl.engines.weight_transfer import WeightSyncError
+    from agentrl.weights.transport import WeightSyncError
 
     version = engine.policy_version
     started = time.monotonic()

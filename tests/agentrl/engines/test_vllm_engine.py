@@ -43,7 +43,7 @@ async def engine(tiny_llama64_path: str) -> AsyncIterator[Any]:
 
 
 async def _update(engine: Any, model: Any, version: int) -> None:
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     # small buckets: one layer's tensors arrive in several files
     await engine.update_weights(NamedTensorBuckets(lambda: hf_named_tensors(model), bucket_mb=0.3), version)
@@ -219,7 +219,7 @@ async def test_stats_report_what_vllms_scheduler_saw(engine: Any) -> None:
 async def test_a_vllm_replica_in_a_ray_pool(tiny_llama64_path: str) -> None:
     """vLLM inside a Ray actor (the OpenRLHF layout): exact logprobs, and weights through the object store."""
     from agentrl.engines.ray_pool import RayEnginePool, ReplicaSpec
-    from agentrl.trainers.weights import NamedTensorBuckets, hf_named_tensors
+    from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
     pool = RayEnginePool(RayEnginePool.Config(
         model=tiny_llama64_path, dtype="fp32", replicas=1, num_cpus=0,

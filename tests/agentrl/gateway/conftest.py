@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from gateway_helpers import calculator_reply, make_backend
 
-from agentrl.chat import HFChatTokenizer
+from agentrl.chat.conversation import HFChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.gateway import Gateway, GatewayConfig
 

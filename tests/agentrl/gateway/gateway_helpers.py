@@ -9,9 +9,9 @@ import operator
 import re
 from typing import Any
 
-from agentrl.chat import Budgets
+from agentrl.chat.conversation import Budgets
+from agentrl.chat.tool_parsers import HermesParser
 from agentrl.gateway import Backend, TrainerSampling
-from agentrl.tool_parsers import HermesParser
 from agentrl.types import Trajectory
 
 TOOLS = [{

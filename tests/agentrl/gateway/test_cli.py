@@ -17,7 +17,7 @@ import openai
 import pytest
 import yaml
 
-from agentrl.store import TrajectoryStore
+from agentrl.store.trajectory_store import TrajectoryStore
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 from gateway_helpers import assert_token_exact, make_backend
 
-from agentrl.chat import Budgets, HFChatTokenizer
+from agentrl.chat.conversation import Budgets, HFChatTokenizer
 from agentrl.gateway import Gateway, GatewayConfig
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

@@ -124,7 +124,7 @@ async def test_rewritten_history_branches_and_extension_keeps_sampled_ids(gatewa
 
 async def test_budget_exhaustion_is_a_4xx_that_marks_the_session_truncated(scripted: Any, chat_tokenizer: Any) -> None:
 
-    from agentrl.chat import Budgets
+    from agentrl.chat.conversation import Budgets
 
     backend = make_backend(scripted, chat_tokenizer, budgets=Budgets(max_turns=1, max_total_tokens=4096))
     async with Gateway(GatewayConfig(), backend) as gw:

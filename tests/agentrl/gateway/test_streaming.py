@@ -12,7 +12,7 @@ import openai
 import pytest
 from gateway_helpers import TOOLS, assert_token_exact, make_backend
 
-from agentrl.chat import Budgets, HFChatTokenizer
+from agentrl.chat.conversation import Budgets, HFChatTokenizer
 from agentrl.engines.base import Sampling, TokenDelta, generate_stream, join_deltas
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.gateway import Gateway, GatewayConfig
@@ -29,7 +29,7 @@ CALL = 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expre
 def test_content_stream_adds_up_to_the_parsed_content(chat_tokenizer: HFChatTokenizer, text: str) -> None:
     """Fed one token at a time (multi-byte characters split across tokens), the deltas add up to the
     non-streamed content; the text of a tool call, and a tail that may begin one, never go out early."""
-    from agentrl.tool_parsers import HermesParser
+    from agentrl.chat.tool_parsers import HermesParser
 
     ids = [*chat_tokenizer.encode(text), chat_tokenizer.eos_ids[0]]
     stream = ContentStream(chat_tokenizer.decode, chat_tokenizer.eos_ids, STREAM_MARKERS["hermes"], strip=True)

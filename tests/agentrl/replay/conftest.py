@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.replay.server import serve_in_thread
 from agentrl.replay.synthetic import fill_store
-from agentrl.store import TrajectoryStore
+from agentrl.store.trajectory_store import TrajectoryStore
 from agentrl.types import EpisodeError, ErrorClass, Group, Message, ToolCall, Trajectory
 
 HERE = Path(__file__).parent

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.env import Env, EnvConfig, StepResult, Task
 from agentrl.registry import env as register_env
 from agentrl.types import Message, ToolCall, Trajectory, Turn

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.synthetic import fill_store, synthetic_group
-from agentrl.store import STORE_FILENAME, TrajectoryStore
+from agentrl.store.trajectory_store import STORE_FILENAME, TrajectoryStore
 
 expect: Any = pytest.importorskip("playwright.sync_api").expect
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
-from agentrl.store import STORE_FILENAME
+from agentrl.store.trajectory_store import STORE_FILENAME
 from agentrl.types import Trajectory
 
 expect: Any = pytest.importorskip("playwright.sync_api").expect

@@ -25,11 +25,11 @@ from gateway_helpers import TOOLS, calc, calculator_reply, make_backend
 
 sys.path.remove(str(Path(__file__).parents[1] / "gateway"))
 
-from agentrl.chat import HFChatTokenizer
+from agentrl.chat.conversation import HFChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.gateway import Gateway, GatewayConfig
 from agentrl.replay.server import ReplaySettings, create_app
-from agentrl.store import STORE_FILENAME, TrajectoryStore
+from agentrl.store.trajectory_store import STORE_FILENAME, TrajectoryStore
 from agentrl.types import Group, Trajectory
 
 pytestmark = pytest.mark.model

@@ -11,8 +11,8 @@ import pytest
 
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries, fts_query
 from agentrl.replay.synthetic import fill_store
-from agentrl.store import STORE_FILENAME, TrajectoryStore
-from agentrl.store_summary import question
+from agentrl.store.summary import question
+from agentrl.store.trajectory_store import STORE_FILENAME, TrajectoryStore
 from agentrl.types import Trajectory
 
 

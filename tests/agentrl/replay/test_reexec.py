@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from agentrl.chat import SimpleChatTokenizer, truncate_ids_text
+from agentrl.chat.conversation import SimpleChatTokenizer, truncate_ids_text
 from agentrl.env import Env, StepResult, Task
 from agentrl.replay.reexec import default_env_factory, env_params, recheck
 from agentrl.types import Message, Trajectory

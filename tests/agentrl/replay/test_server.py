@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from agentrl.chat import SimpleChatTokenizer
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.replay.queries import TrajectoryFilter, TrajectoryQueries
 from agentrl.replay.server import ReplaySettings, create_app, settings_for_bind
-from agentrl.store import STORE_FILENAME, TrajectoryStore
+from agentrl.store.trajectory_store import STORE_FILENAME, TrajectoryStore
 from agentrl.types import Message, Trajectory
 
 

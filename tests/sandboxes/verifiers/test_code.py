@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from agentrl.rewards import Reward
+from agentrl.envkit.rewards import Reward
 from agentrl.sandboxes.local import LocalConfig, LocalSandbox
 from agentrl.sandboxes.verifiers.code import CodeConfig, CodeVerifier, extract_code
 from agentrl.types import Message

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agentrl.rewards import Reward
+from agentrl.envkit.rewards import Reward
 from agentrl.sandboxes.verifiers.math import MathConfig, MathVerifier, extract_answer, last_boxed
 from agentrl.sandboxes.verifiers.workers import ProcessPool, WorkerError
 from agentrl.types import Message
