@@ -272,6 +272,18 @@ class BaseSandbox:
     async def _execute(self, request: ExecRequest) -> ExecResult:
         raise NotImplementedError
 
+    def workspace(self, spec: Any = None, *, prepared: Any = None) -> Any:
+        """A persistent workspace (agentrl.sandboxes.workspace); backends that cannot hold one refuse."""
+        from .workspace import unsupported
+
+        raise unsupported(type(self).__name__)
+
+    async def prepare(self, spec: Any) -> Any:
+        """A task's set-up done once, for copy-on-write forks (``workspace(spec, prepared=...)``)."""
+        from .workspace import unsupported
+
+        raise unsupported(type(self).__name__)
+
     async def close(self) -> None:
         self.closed = True
 

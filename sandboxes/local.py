@@ -48,6 +48,8 @@ from .base import (
     decode_capped,
     sandbox_error,
 )
+from .local_workspace import SERVER_FILES, LocalPrepared, LocalWorkspace, prepare_local
+from .workspace import PreparedState, WorkspaceSpec, WorkspaceUnsupported
 
 log = logging.getLogger(__name__)
 _HDR = struct.Struct(">I")
@@ -429,6 +431,9 @@ class LocalSandbox(BaseSandbox):
         self._server = self._dir / "forkserver.py"
         shutil.copyfile(_FORKSERVER, self._server)
         self._server.chmod(0o644)
+        for name in SERVER_FILES:  # the workspace server imports the fork server's guard
+            shutil.copyfile(Path(__file__).with_name(name), self._dir / name)
+            (self._dir / name).chmod(0o644)
         self._idle: asyncio.Queue[Worker | None] = asyncio.Queue()
         for _ in range(self.config.pool_size if self.config.mode == "pool" else 0):
             self._idle.put_nowait(None)
@@ -499,6 +504,18 @@ class LocalSandbox(BaseSandbox):
             else:
                 self._idle.put_nowait(None)
         return result
+
+    def workspace(self, spec: WorkspaceSpec | None = None, *, prepared: PreparedState | None = None) -> LocalWorkspace:
+        """One persistent workspace in its own bwrap (``async with``); see agentrl.sandboxes.local_workspace."""
+        if self.config.unsafe_local:
+            raise WorkspaceUnsupported("workspaces need bubblewrap: the local sandbox has unsafe_local: true")
+        return LocalWorkspace(self.config, self._dir, spec or WorkspaceSpec(), prepared)
+
+    async def prepare(self, spec: WorkspaceSpec) -> LocalPrepared:
+        """Run ``spec``'s set-up once; ``workspace(spec, prepared=...)`` forks it (overlayfs, copy-on-write)."""
+        if self.config.unsafe_local:
+            raise WorkspaceUnsupported("workspaces need bubblewrap: the local sandbox has unsafe_local: true")
+        return await prepare_local(self.config, self._dir, spec)
 
     async def close(self) -> None:
         await super().close()

@@ -1,0 +1,235 @@
+"""Workspaces on the ``local`` backend: one long-lived bwrap per workspace, its state on overlayfs.
+
+Each workspace is one process chain started from the host:
+``unshare -m`` (``-rm`` when not root) runs a tiny shell that mounts, in that
+private mount namespace only, a tmpfs of ``disk_mb`` (the upper layer) and an
+overlayfs over the lower layer (an empty dir, or a prepared state), then execs
+``bwrap`` (everything unshared, as in one-shot requests) with the merged
+view's dirs bound at the workspace's writable dirs. Inside,
+:mod:`agentrl.sandboxes._wsserver` is PID 1 and serves exec/read/write.
+
+Debian 12's bubblewrap 0.8 has no ``--overlay``; kernel overlayfs mounts fine
+in a private mount namespace (as root, or in an unprivileged user namespace).
+Mounts live only in that namespace: when the chain dies (closed, killed, or
+its parent killed: ``--die-with-parent``) they go with it. On the host a
+workspace has one temp dir ``agentrl-ws-<pid>-*`` (empty mount points, and a
+prepared state's layer); dirs of dead pids are removed at the next start.
+
+``prepare`` runs the set-up in a workspace whose upper layer is a host dir,
+closes it, and keeps that dir: forks mount it as their lower layer and get a
+private tmpfs upper, so a fork is copy-on-write and starts without set-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .workspace import PreparedState, Workspace, WorkspaceError, WorkspaceSpec
+
+if TYPE_CHECKING:
+    from .local import LocalConfig
+
+_HDR = struct.Struct(">I")
+_ids = itertools.count()
+PREFIX = "agentrl-ws-"
+SERVER_FILES = ("_wsserver.py", "_forkserver.py")
+
+_MOUNT_SH = r"""set -e
+D=$1; LOWER=$2; UP=$3; WK=$4; DISK=$5; OWNER=$6; shift 6
+if [ "$DISK" != 0 ]; then mount -t tmpfs -o "size=${DISK}m,mode=0755" tmpfs "$D/mnt"; fi
+mkdir -p "$UP" "$WK"
+mount -t overlay overlay -o "lowerdir=$LOWER,upperdir=$UP,workdir=$WK" "$D/merged"
+while [ "$1" != -- ]; do mkdir -p "$D/merged$1"; [ "$OWNER" = - ] || chown "$OWNER" "$D/merged$1"; shift; done
+shift
+exec "$@"
+"""
+
+
+def reap_stale_dirs(tmp: Path | None = None) -> None:
+    """Remove workspace temp dirs left by dead processes (a killed run)."""
+    base = tmp or Path(tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for d in base.glob(PREFIX + "*-*"):
+            pid = d.name[len(PREFIX):].split("-")[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def leftover_dirs(tmp: Path | None = None) -> list[Path]:
+    """This process's workspace temp dirs (for leak checks)."""
+    base = tmp or Path(tempfile.gettempdir())
+    return sorted(base.glob(f"{PREFIX}{os.getpid()}-*"))
+
+
+class LocalPrepared(PreparedState):
+    """A prepared state on local: a host dir holding the set-up's overlay layer."""
+
+    def __init__(self, spec: WorkspaceSpec, setup_s: float, home: Path, layer: Path) -> None:
+        super().__init__(spec, setup_s)
+        self.home, self.layer = home, layer
+
+    async def close(self) -> None:
+        await super().close()
+        await asyncio.to_thread(shutil.rmtree, self.home, True)
+
+
+class LocalWorkspace(Workspace):
+    """One workspace in its own bwrap (see the module docstring)."""
+
+    def __init__(self, config: LocalConfig, server_dir: Path, spec: WorkspaceSpec,
+                 prepared: PreparedState | None = None, *, keep_layer: bool = False) -> None:
+        if prepared is not None and not isinstance(prepared, LocalPrepared):
+            raise WorkspaceError(f"a {type(prepared).__name__} cannot be forked on the local backend")
+        super().__init__(spec, prepared)
+        self.config = config
+        self.server_dir = server_dir
+        self.keep_layer = keep_layer  # prepare(): the upper layer is a host dir that outlives the workspace
+        self.backstop_s = config.backstop_s
+        self.proc: asyncio.subprocess.Process | None = None
+        self.home: Path | None = None
+        from .local import Cgroups
+
+        self.cgroups = Cgroups(f"agentrl-sbx-{os.getpid()}-ws{next(_ids)}" if config.cgroups == "auto" else None)
+
+    def argv(self, home: Path) -> list[str]:
+        c, spec = self.config, self.spec
+        as_root = os.geteuid() == 0
+        if spec.network and not c.allow_network:
+            raise WorkspaceError("the workspace asks for network but this local sandbox has allow_network: false")
+        lower = (f"{self.prepared.layer}:{home / 'empty'}" if isinstance(self.prepared, LocalPrepared)
+                 else str(home / "empty"))
+        if self.keep_layer:
+            up, wk, disk = home / "layer", home / "work", 0
+        else:
+            up, wk, disk = home / "mnt" / "up", home / "mnt" / "wk", spec.disk_mb
+        roots = spec.roots()
+        owner = f"{c.uid}:{c.gid}" if as_root else "-"
+        unshare = ["unshare", "-m", "--propagation", "private"] if as_root else ["unshare", "-rm", "--propagation",
+                                                                                 "private"]
+        drop = (["setpriv", f"--reuid={c.uid}", f"--regid={c.gid}", "--clear-groups"] if as_root else [])
+        bw = [
+            c.bwrap, "--unshare-all", *(["--share-net"] if spec.network else []),
+            "--die-with-parent", "--new-session", "--as-pid-1", "--clearenv",
+            "--uid", str(c.uid), "--gid", str(c.gid), "--hostname", "workspace",
+            "--ro-bind", "/usr", "/usr",
+            "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+            "--symlink", "usr/bin", "/bin", "--symlink", "usr/sbin", "/sbin",
+            "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
+            "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(spec.disk_mb << 20), "--tmpfs", "/tmp",
+            "--size", str(min(spec.disk_mb, 64) << 20), "--tmpfs", "/dev/shm",
+            "--mqueue", "/dev/mqueue", "--remount-ro", "/dev",
+        ]
+        for f in SERVER_FILES:
+            bw += ["--ro-bind", str(self.server_dir / f), f"/.agentrl/{f}"]
+        for r in roots:
+            bw += ["--bind", f"{home}/merged{r}", r]
+        if spec.network:
+            bw += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf", "--ro-bind-try", "/etc/hosts", "/etc/hosts"]
+        for path in c.ro_binds:
+            bw += ["--ro-bind", path, path]
+        bw += ["--remount-ro", "/", "--chdir", spec.workdir,
+               c.python, "-I", "-S", "/.agentrl/_wsserver.py", "ns", spec.workdir, *roots]
+        return [*unshare, "sh", "-c", _MOUNT_SH, "sh", str(home), lower, str(up), str(wk), str(disk), owner,
+                *roots, "--", *drop, *bw]
+
+    async def _start(self) -> None:
+        reap_stale_dirs()
+        self.home = home = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+        for d in ("empty", "mnt", "merged"):
+            (home / d).mkdir()
+        home.chmod(0o755)
+        # tmpfs pages count as memory: room for a full disk, so filling it gives ENOSPC, not an OOM kill
+        self.cgroups.set_limits((self.spec.memory_mb + self.spec.disk_mb) << 20, self.spec.max_processes)
+        procs = self.cgroups.procs_files
+
+        def preexec() -> None:
+            os.setsid()
+            for f in procs:
+                with contextlib.suppress(OSError), open(f, "w") as fh:
+                    fh.write(str(os.getpid()))
+
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv(home), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, preexec_fn=preexec,
+        )
+        try:
+            async with asyncio.timeout(self.config.startup_timeout_s):
+                hello = await self._recv()
+            if not hello.get("ready"):
+                raise RuntimeError(f"unexpected hello {hello!r}")
+        except Exception as e:
+            err = b""
+            self._kill_now()
+            with contextlib.suppress(Exception):
+                assert self.proc.stderr is not None
+                err = await asyncio.wait_for(self.proc.stderr.read(4000), 2)
+            raise WorkspaceError(f"the local workspace failed to start ({type(e).__name__}: {e}): "
+                                 f"{err.decode(errors='replace')}") from e
+
+    async def _recv(self) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        n = _HDR.unpack(await self.proc.stdout.readexactly(4))[0]
+        reply: dict[str, Any] = json.loads(await self.proc.stdout.readexactly(n))
+        return reply
+
+    async def _request(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        if self.proc.returncode is not None:
+            raise WorkspaceError(f"the workspace process exited ({self.proc.returncode})")
+        data = json.dumps(msg).encode()
+        async with asyncio.timeout(timeout_s + self.backstop_s):
+            self.proc.stdin.write(_HDR.pack(len(data)) + data)
+            await self.proc.stdin.drain()
+            return await self._recv()
+
+    def _kill_now(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    async def _teardown(self) -> None:
+        try:
+            if self.proc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.proc.wait(), 5.0)
+        finally:
+            self.cgroups.remove()
+            if self.home is not None and not self.keep_layer:
+                shutil.rmtree(self.home, ignore_errors=True)
+
+    def pid(self) -> int | None:
+        """The host pid of the workspace's process chain (tests)."""
+        return None if self.proc is None else self.proc.pid
+
+
+async def prepare_local(config: LocalConfig, server_dir: Path, spec: WorkspaceSpec) -> LocalPrepared:
+    """Run ``spec``'s set-up once in a workspace whose upper layer is kept; forks mount it read-only."""
+    t0 = time.perf_counter()
+    ws = LocalWorkspace(config, server_dir, spec, keep_layer=True)
+    try:
+        async with ws:
+            pass
+    except BaseException:
+        if ws.home is not None:
+            shutil.rmtree(ws.home, ignore_errors=True)
+        raise
+    assert ws.home is not None
+    for d in ("work", "mnt", "merged", "empty"):
+        shutil.rmtree(ws.home / d, ignore_errors=True)
+    (ws.home / "empty").mkdir()
+    return LocalPrepared(spec, time.perf_counter() - t0, ws.home, ws.home / "layer")
