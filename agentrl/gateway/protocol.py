@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from agentrl.types import Completion, Message, ToolCall
 
@@ -171,10 +171,13 @@ def _tool_call(raw: Any, where: str) -> ToolCall:
     if not isinstance(raw, Mapping) or not isinstance(raw.get("function"), Mapping):
         raise bad(f"{where} must be {{id, type: function, function: {{name, arguments}}}}", where)
     fn = raw["function"]
-    name = fn.get("name")
+    return tool_call(fn.get("name"), fn.get("arguments", "{}"), raw.get("id"), f"{where}.function")
+
+
+def tool_call(name: Any, args: Any, id: Any, where: str) -> ToolCall:
+    """A call as an agent resent it: `args` a JSON string or object (unparseable text is kept under `_raw`)."""
     if not isinstance(name, str):
-        raise bad(f"{where}.function.name must be a string", where)
-    args: Any = fn.get("arguments", "{}")
+        raise bad(f"{where}.name must be a string", where)
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
@@ -182,7 +185,7 @@ def _tool_call(raw: Any, where: str) -> ToolCall:
             args = {"_raw": args}
     if not isinstance(args, dict):
         args = {"_raw": args}
-    return ToolCall(name=name, arguments=args, id=str(raw.get("id") or ""))
+    return ToolCall(name=name, arguments=args, id=str(id or ""))
 
 
 def parse_message(raw: Any, index: int) -> Message:
@@ -387,12 +390,52 @@ class ContentStream:
             self._prefix, self._read = self._read, len(ids)
 
 
-def chat_chunks(result: ChatResult, request: ChatRequest, model: str, decode: Any) -> Iterator[dict[str, Any]]:
-    """The chat.completion.chunk objects of an answer streamed at once (a retry, or an engine that cannot stream)."""
-    head = ChunkHead(model)
-    head.id, head.created = result.id, result.created
-    yield head.chunk({"role": "assistant", "content": ""})
-    yield from final_chunks(head, result, request, decode, sent="")
+Event = dict[str, Any] | tuple[str, dict[str, Any]]
+"""One SSE event: its data (sent as ``data: ...``), or (name, data) for APIs that name their events."""
+
+
+class AnswerWriter(Protocol):
+    """The events of one streamed answer in one API's shape (`Gateway.stream_answer` drives it).
+
+    `opening` comes before the first content (with the result when the answer came in one piece),
+    `content` with each new piece of text, `closing` once the reply is parsed (`sent` is the
+    content already streamed), `failure` when the call failed after the stream began.
+    """
+
+    trailer: bytes  # written after the last event (``data: [DONE]`` for OpenAI chat, nothing for named-event APIs)
+
+    def opening(self, prompt_len: int, result: ChatResult | None) -> list[Event]: ...
+
+    def content(self, piece: str) -> list[Event]: ...
+
+    def closing(self, result: ChatResult, *, sent: str) -> list[Event]: ...
+
+    def failure(self, error: GatewayError) -> Event: ...
+
+
+class ChatWriter:
+    """Chat-completions chunks: a role chunk, content deltas, the calls, the finish chunk, the usage chunk."""
+
+    trailer = b"data: [DONE]\n\n"
+
+    def __init__(self, model: str, request: ChatRequest, decode: Any) -> None:
+        self.head = ChunkHead(model)
+        self.request = request
+        self.decode = decode
+
+    def opening(self, prompt_len: int, result: ChatResult | None) -> list[Event]:
+        if result is not None:  # answered at once: the chunks carry the answer's own id
+            self.head.id, self.head.created = result.id, result.created
+        return [self.head.chunk({"role": "assistant", "content": ""})]
+
+    def content(self, piece: str) -> list[Event]:
+        return [self.head.chunk({"content": piece})]
+
+    def closing(self, result: ChatResult, *, sent: str) -> list[Event]:
+        return list(final_chunks(self.head, result, self.request, self.decode, sent=sent))
+
+    def failure(self, error: GatewayError) -> Event:
+        return error.body()
 
 
 def final_chunks(

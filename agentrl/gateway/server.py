@@ -27,19 +27,20 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from agentrl.gateway import anthropic_api, responses_api
 from agentrl.gateway.config import GatewayConfig
 from agentrl.gateway.protocol import (
     STREAM_MARKERS,
+    AnswerWriter,
     ChatRequest,
-    ChunkHead,
+    ChatWriter,
     ContentStream,
+    Event,
     GatewayError,
     bad,
-    chat_chunks,
     chat_response,
     check_sampling,
     completion_response,
-    final_chunks,
     fingerprint,
     parse_chat_request,
 )
@@ -135,6 +136,8 @@ class Gateway:
         for prefix in ("", "/s/{sid}"):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_post(prefix + "/v1/messages", self._messages)
+            app.router.add_post(prefix + "/v1/responses", self._responses)
             app.router.add_get(prefix + "/v1/models", self._models)
         app.router.add_post("/sessions", self._open)
         app.router.add_post("/episodes", self._claim)
@@ -174,7 +177,7 @@ class Gateway:
         header = request.headers.get("Authorization", "")
         if header.lower().startswith("bearer "):
             return header[7:].strip() or None
-        return request.headers.get("api-key") or None
+        return request.headers.get("x-api-key") or request.headers.get("api-key") or None
 
     def _admin(self, request: web.Request) -> None:
         token = self.config.token
@@ -235,18 +238,26 @@ class Gateway:
         return web.json_response(chat_response(result, chat, self.config.model_name, session.backend.tokenizer.decode))
 
     async def _chat_stream(self, request: web.Request, session: Session, chat: ChatRequest, key: str) -> web.StreamResponse:
-        """An SSE answer sent as the engine samples: content deltas as they decode, calls and ids at the end.
+        return await self.stream_answer(request, session, chat, key, ChatWriter(self.config.model_name, chat,
+                                                                                 session.backend.tokenizer.decode))
+
+    async def stream_answer(self, request: web.Request, session: Session, chat: ChatRequest, key: str,
+                            writer: AnswerWriter) -> web.StreamResponse:
+        """An SSE answer sent as the engine samples, in the events of `writer`'s API: content as it decodes,
+        calls and ids at the end.
 
         Nothing is sent before the first tokens, so a refused call is still a plain 4xx JSON error;
-        a failure after that ends the stream with an error event. A client that hangs up cancels the call.
+        a failure after that ends the stream with the API's error event. A client that hangs up
+        cancels the call. The same driver serves every API: only the writer differs.
         """
         backend = session.backend
         decode = backend.tokenizer.decode
         updates: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        prompt: list[int] = []
 
         async def answer() -> Any:
             try:
-                return await session.chat(chat, key, on_tokens=updates.put_nowait)
+                return await session.chat(chat, key, on_tokens=updates.put_nowait, on_prompt=prompt.append)
             finally:
                 updates.put_nowait(None)
 
@@ -254,7 +265,6 @@ class Gateway:
         parse = chat.tool_choice != "none"
         content = ContentStream(decode, backend.tokenizer.eos_ids,
                                 STREAM_MARKERS.get(backend.parser.name) if parse else (), strip=parse)
-        head = ChunkHead(self.config.model_name)
         wait_s = backend.generate_timeout_s + 60.0  # the session's own deadlines end the call first
         try:
             async with asyncio.timeout(wait_s):
@@ -262,29 +272,58 @@ class Gateway:
             if ids is None:  # answered without a stream (a retry, or refused): no token was sent yet
                 result = await task
                 response = await self._sse(request)
-                for chunk in chat_chunks(result, chat, self.config.model_name, decode):
-                    await _send(response, chunk)
-                return await _done(response)
+                for event in (*writer.opening(result.prompt_len, result), *writer.closing(result, sent="")):
+                    await _send(response, event)
+                return await _done(response, writer.trailer)
             response = await self._sse(request)
-            await _send(response, head.chunk({"role": "assistant", "content": ""}))
+            for event in writer.opening(prompt[0] if prompt else 0, None):
+                await _send(response, event)
             while ids is not None:
                 piece = content.feed(ids)
                 if piece:
-                    await _send(response, head.chunk({"content": piece}))
+                    for event in writer.content(piece):
+                        await _send(response, event)
                 async with asyncio.timeout(wait_s):
                     ids = await updates.get()
             try:
                 result = await task
             except Exception as e:  # the status line is sent: the failure goes in an error event
                 error = e if isinstance(e, GatewayError) else GatewayError(500, f"internal error: {type(e).__name__}: {e}")
-                await _send(response, error.body())
-                return await _done(response)
-            for chunk in final_chunks(head, result, chat, decode, sent=content.sent):
-                await _send(response, chunk)
-            return await _done(response)
+                await _send(response, writer.failure(error))
+                return await _done(response, writer.trailer)
+            for event in writer.closing(result, sent=content.sent):
+                await _send(response, event)
+            return await _done(response, writer.trailer)
         finally:
             if not task.done():
                 task.cancel()
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """The Anthropic Messages API over the same sessions (`agentrl.gateway.anthropic_api`); its errors
+        in that API's shape."""
+        try:
+            session = self._session(request)
+            body = await self._json(request)
+            call = anthropic_api.parse_messages_request(body, session.backend.sampling, session.threads)
+            writer = anthropic_api.MessagesWriter(self.config.model_name, call)
+            if call.chat.stream:
+                return await self.stream_answer(request, session, call.chat, fingerprint(body), writer)
+            result = await session.chat(call.chat, fingerprint(body))
+            call.keep(writer.id, result)
+            return web.json_response(anthropic_api.message_response(result, self.config.model_name, writer.id))
+        except GatewayError as e:
+            return web.json_response(anthropic_api.error_body(e), status=e.status)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The OpenAI Responses API over the same sessions (`agentrl.gateway.responses_api`)."""
+        session = self._session(request)
+        body = await self._json(request)
+        call = responses_api.parse_responses_request(body, session.backend.sampling, session.responses)
+        writer = responses_api.ResponsesWriter(self.config.model_name, call)
+        if call.chat.stream:
+            return await self.stream_answer(request, session, call.chat, fingerprint(body), writer)
+        result = await session.chat(call.chat, fingerprint(body))
+        return web.json_response(writer.response(result))
 
     @staticmethod
     async def _sse(request: web.Request) -> web.StreamResponse:
@@ -405,12 +444,18 @@ def _dumps_any(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
-async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+async def _send(response: web.StreamResponse, event: Event) -> None:
+    """One SSE event: ``data: {...}`` (with an ``event:`` line when the API names its events)."""
+    if isinstance(event, tuple):
+        name, data = event
+        await response.write(f"event: {name}\n".encode() + b"data: " + json.dumps(data).encode() + b"\n\n")
+    else:
+        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
 
 
-async def _done(response: web.StreamResponse) -> web.StreamResponse:
-    await response.write(b"data: [DONE]\n\n")
+async def _done(response: web.StreamResponse, trailer: bytes = b"data: [DONE]\n\n") -> web.StreamResponse:
+    if trailer:
+        await response.write(trailer)
     await response.write_eof()
     return response
 

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from agentrl.chat.conversation import Budgets, ChatTokenizer, Conversation
 from agentrl.chat.tool_parsers import ToolCallParser
 from agentrl.engines.base import InferenceEngine, Sampling, TokenDelta, generate_stream, join_deltas
+from agentrl.gateway.anthropic_api import Thread
 from agentrl.gateway.protocol import ChatRequest, ChatResult, GatewayError, TrainerSampling, bad
 from agentrl.types import JSON, Completion, Message, ToolCall, Trajectory, Turn, new_id
 
@@ -155,20 +156,26 @@ class Session:
         self.task: dict[str, JSON] = {}  # what the episode is about (stored on its trajectories by `agentrl gateway`)
         self._lock = asyncio.Lock()
         self._answers: OrderedDict[str, asyncio.Future[ChatResult]] = OrderedDict()
+        self.responses: OrderedDict[str, list[Message]] = OrderedDict()  # Responses API: id -> messages (previous_response_id)
+        self.threads: OrderedDict[str, Thread] = OrderedDict()  # Messages API: reply id -> its thread (`thread: continue`)
 
     # -- chat calls
 
-    async def chat(self, request: ChatRequest, fingerprint: str, on_tokens: OnTokens | None = None) -> ChatResult:
+    async def chat(self, request: ChatRequest, fingerprint: str, on_tokens: OnTokens | None = None,
+                   on_prompt: Callable[[int], None] | None = None) -> ChatResult:
         """Answer one chat call: match it to a branch, generate, record the turn.
 
         With `on_tokens` the engine streams (when it can) and `on_tokens` sees the ids sampled so
         far after each delta; the recorded turn is the same either way (the deltas joined).
+        `on_prompt` hears the prompt's length once the call is matched (a stream's opening event).
         """
         async with self._lock:
             self._check_open()
             found = self._answers.get(fingerprint)
             if found is None:
                 branch, prompt_len = self._prepare(request)
+                if on_prompt is not None:
+                    on_prompt(prompt_len)
                 found = asyncio.get_running_loop().create_future()
                 self._answers[fingerprint] = found
                 while len(self._answers) > RETRY_CACHE:
