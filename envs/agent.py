@@ -81,6 +81,10 @@ class AgentEnvConfig(EnvConfig):
         default=300.0, gt=0, description="remote mode: seconds an episode waits for an agent to claim it (then "
         "it fails with class `agent`); rollout.episode_timeout_s counts from the claim",
     )
+    claim_give_up_after: int = Field(
+        default=3, ge=0, description="remote mode: the run stops with an error when no agent claimed any episode "
+        "for this many claim_timeout_s windows in a row (no agent connected); 0 = wait forever",
+    )
     tasks: list[dict[str, JSON]] | str | TasksFromEnv = Field(
         ..., description="tasks: a list of dicts, a .jsonl/.json file, or {env, params} to borrow an env's splits"
     )
@@ -156,13 +160,11 @@ def reward_of(value: Any) -> RewardResult | None:
     return RewardResult(value=float(value))
 
 
-class AgentEnv(Env):
+class AgentEnv(Env[AgentEnvConfig]):
     """Runs the user's agent per episode against a gateway session (an `EpisodeDriver`)."""
 
     name: ClassVar[str] = "agent"
     description: ClassVar[str] = "unmodified OpenAI-API agent code, trained through the gateway"
-    Config = AgentEnvConfig
-    config: AgentEnvConfig
 
     def __init__(
         self, config: AgentEnvConfig | None = None, *, plugins: Any = None, resources: RunResources | None = None
@@ -293,6 +295,9 @@ class AgentEnv(Env):
                     await offer.claimed.wait()
             except TimeoutError:
                 hub.note_unclaimed()
+                stop = hub.give_up(self.config.claim_timeout_s, self.config.claim_give_up_after)
+                if stop is not None:
+                    raise stop from None
                 error = EpisodeError(ErrorClass.AGENT, f"no remote agent claimed the episode within "
                                      f"env.claim_timeout_s={self.config.claim_timeout_s:g}s (agents claim episodes "
                                      f"with POST {gateway.url}/episodes; {hub.board.waiting} unclaimed now)")

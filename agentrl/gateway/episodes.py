@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.errors import ConfigError
+from agentrl.errors import AgentrlError, ConfigError
 from agentrl.gateway.config import GatewayConfig
 from agentrl.gateway.server import Gateway
 from agentrl.gateway.session import Backend, Session
@@ -33,6 +33,10 @@ from agentrl.types import JSON
 
 log = logging.getLogger(__name__)
 UNCLAIMED_WARN_EVERY_S = 60.0
+
+
+class NoRemoteAgents(AgentrlError):
+    """Remote mode: no agent claimed any episode for several claim windows in a row; the run stops."""
 
 
 @dataclass(eq=False)
@@ -53,6 +57,8 @@ class EpisodeBoard:
         self._agents: deque[asyncio.Future[Offer | None]] = deque()
         self._by_session: dict[str, Offer] = {}
         self.closed = False
+        self.claims = 0  # episodes handed to agents so far
+        self.last_claim_at = time.monotonic()  # when the last one was (or when the board opened)
 
     def offer(self, session: Session, task: dict[str, JSON]) -> Offer:
         """Put an episode up for agents; the caller waits on `claimed` / `ended` and withdraws it at the end."""
@@ -62,7 +68,7 @@ class EpisodeBoard:
             agent = self._agents.popleft()
             if not agent.done():
                 agent.set_result(offer)
-                offer.claimed.set()
+                self._claimed(offer)
                 return offer
         self._offers.append(offer)
         return offer
@@ -72,7 +78,7 @@ class EpisodeBoard:
         while self._offers:
             offer = self._offers.popleft()
             if not offer.session.closed:
-                offer.claimed.set()
+                self._claimed(offer)
                 return offer
         if self.closed:
             return None
@@ -96,6 +102,11 @@ class EpisodeBoard:
             return agent.result()
         agent.cancel()
         return None
+
+    def _claimed(self, offer: Offer) -> None:
+        offer.claimed.set()
+        self.claims += 1
+        self.last_claim_at = time.monotonic()
 
     def withdraw(self, offer: Offer) -> None:
         """Take an offer off the board (its episode ended, failed or was cancelled)."""
@@ -149,6 +160,24 @@ class RemoteAgents:
                 self.gateway = gateway
                 log.warning("agentrl gateway for remote agents: %s (claim episodes with POST /episodes)", gateway.url)
             return self.gateway
+
+    def give_up(self, claim_timeout_s: float, windows: int) -> NoRemoteAgents | None:
+        """The error that stops the run when no agent claimed anything for `windows` claim windows in a row
+        (None while one may still come; `windows` 0 never gives up). It says where agents should claim."""
+        idle = time.monotonic() - self.board.last_claim_at
+        if windows <= 0 or idle < windows * claim_timeout_s:
+            return None
+        url = self.gateway.url if self.gateway is not None else f"http://{self.config.host}:{self.config.port}"
+        token = ("with the bearer token of env.gateway.token" if self.config.token else
+                 "with any bearer token (a loopback gateway without env.gateway.token)")
+        who = ("no remote agent connected" if self.board.claims == 0 else
+               f"no remote agent claimed an episode for {idle:.0f}s (after {self.board.claims} claimed)")
+        return NoRemoteAgents(
+            f"{who}: {self.unclaimed} episode(s) went unclaimed, {windows} claim windows of "
+            f"env.claim_timeout_s={claim_timeout_s:g}s in a row, so the run stops. Agents claim episodes with "
+            f"POST {url}/episodes {token} (examples/openai-agent/remote_agent.py --gateway {url} --token ...); "
+            "raise env.claim_give_up_after (0 = wait forever) when agents start late"
+        )
 
     def note_unclaimed(self) -> None:
         """Count an episode no agent claimed; say so on the log (at most every `UNCLAIMED_WARN_EVERY_S`)."""

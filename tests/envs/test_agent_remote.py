@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from gateway_helpers import assert_token_exact, calculator_reply, openai_agent
 from agentrl.chat.conversation import HFChatTokenizer
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.envs.agent import AgentEnv, AgentEnvConfig
+from agentrl.gateway.episodes import NoRemoteAgents
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.manager import RolloutManager
 from agentrl.run.resources import RunResources
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.model
 
 TASKS = [{"id": f"q{i}", "question": f"What is {a} + {b}?", "answer": a + b} for i, (a, b) in enumerate([(12, 30), (7, 8)])]
 TOKEN = "remote-agents-token-0123"
+REPO = Path(__file__).resolve().parents[2]
 ROLLOUT = dict(max_turns=4, max_new_tokens_per_turn=64, max_total_tokens=2048)
 
 
@@ -250,3 +253,78 @@ def test_remote_mode_config_errors_name_the_key() -> None:
         AgentEnvConfig(mode="remote", agent="m:solve", tasks=TASKS)
     with pytest.raises(ValueError, match="is not a loopback address"):
         AgentEnvConfig(mode="remote", tasks=TASKS, gateway={"host": "0.0.0.0"})
+
+
+async def test_a_run_nobody_claims_stops_saying_where_to_connect(engine: Any, tokenizer: Any, resources: RunResources) -> None:
+    config = remote_config(claim_timeout_s=0.2, claim_give_up_after=3)
+    rollout = RolloutConfig(group_size=1, groups_per_step=1, max_in_flight=2, max_retries=10, **ROLLOUT)
+    async with RolloutManager(lambda: AgentEnv(config, resources=resources), TASKS, engine, tokenizer, rollout) as m:
+        with pytest.raises(NoRemoteAgents) as raised:
+            async with asyncio.timeout(60):
+                async for _ in m.groups():
+                    pass
+    hub = AgentEnv(config, resources=resources).remote_agents()
+    message = str(raised.value)
+    assert hub.gateway is not None and f"POST {hub.gateway.url}/episodes" in message
+    assert message.startswith("no remote agent connected") and "env.gateway.token" in message
+    assert "3 claim windows of env.claim_timeout_s=0.2s" in message and hub.unclaimed >= 3
+    assert TOKEN not in message  # the setting is named, the secret is not printed
+    assert engine.calls == 0
+
+
+async def test_claims_keep_the_run_waiting_and_zero_never_gives_up(resources: RunResources) -> None:
+    hub = AgentEnv(remote_config(), resources=resources).remote_agents()
+    hub.board.last_claim_at -= 10.0  # ten seconds without a claim
+    assert hub.give_up(claim_timeout_s=2.0, windows=3) is not None
+    assert hub.give_up(claim_timeout_s=2.0, windows=0) is None  # 0 = wait forever
+    assert hub.give_up(claim_timeout_s=5.0, windows=3) is None  # 10 s < 3 windows of 5 s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_agentrl_eval_with_remote_agents(smollm2_path: str, tmp_path: Path) -> None:
+    """`agentrl eval` on a remote-mode config offers its held-out episodes on the gateway; agents play them."""
+    from agentrl.config import load_config
+    from agentrl.run.commands import _evaluate
+
+    port = _free_port()
+    config = load_config(REPO / "examples" / "openai-agent" / "remote.yaml", [
+        f"model.path={smollm2_path}", "engine={name: scripted, replies: ['Answer: 1']}", "run.eval_tasks=3",
+        f"env.gateway.port={port}", f"env.gateway.token={TOKEN}", "env.claim_timeout_s=30"])
+    url = f"http://127.0.0.1:{port}"
+    played: list[str] = []
+
+    async def agent() -> None:
+        admin = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(timeout=30) as http:
+            while True:
+                try:
+                    got = await claim(http, url, wait_s=0.5)
+                except httpx.TransportError:  # not started yet, or the eval is over
+                    if len(played) >= 3:
+                        return
+                    await asyncio.sleep(0.05)
+                    continue
+                if got.status_code == 410:
+                    return
+                if got.status_code == 204:
+                    continue
+                episode = got.json()
+                r = await http.post(f"{episode['base_url']}/chat/completions", headers={
+                    "Authorization": f"Bearer {episode['api_key']}"},
+                    json={"model": "m", "messages": [{"role": "user", "content": str(episode["task"])}]})
+                played.append(r.json()["choices"][0]["message"]["content"])
+                await http.post(f"{episode['session_url']}/reward", json={"reward": 1.0}, headers=admin)
+                await http.post(f"{episode['session_url']}/close", headers=admin)
+
+    agents = asyncio.ensure_future(agent())
+    async with asyncio.timeout(120):
+        summary = await _evaluate(config, tmp_path)
+        await agents
+    assert summary["tasks"] == 3 and summary["reward_mean"] == 1.0, summary
+    assert played == ["Answer: 1"] * 3
+    assert (tmp_path / "eval.json").exists()
