@@ -23,6 +23,7 @@ from agentrl.config import RunConfig, dump_config
 from agentrl.errors import AgentrlError
 from agentrl.rollout.task_stream import AllTasksSolved, SolvedTasks, TaskStream
 from agentrl.run.alerts import RunAlerts
+from agentrl.run.memory import MemoryProbe
 from agentrl.run.metrics_log import MetricsLog, check_loggers
 from agentrl.run.progress import TrainProgress
 from agentrl.run.run_dir import RunDir
@@ -95,6 +96,7 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
 
     lock = asyncio.Lock()  # a checkpoint never overlaps a train step running in a thread
     alerts = RunAlerts(config.alerts)
+    memory = MemoryProbe({"engine": parts.engine, "trainer": parts.trainer})  # `memory/*`, after eval and trim
 
     def save(at_step: int) -> None:
         run.save_checkpoint(at_step, lambda d: parts.trainer.save(d, {"step": at_step}))
@@ -129,6 +131,7 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
         store.commit()
         if config.run.eval_every and step % config.run.eval_every == 0:
             metrics |= await run_eval(config, parts, store, step=step)
+        metrics |= _memory(memory, store, step)
         metrics["time/wall_s"] = time.monotonic() - began
         log.write(step, metrics)
         progress.update(step, metrics)
@@ -147,7 +150,8 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
     try:
         with TrainProgress(config.run.steps, start_step=step, console=log.console) as progress:
             if step == 0 and config.run.eval_every:
-                log.write(0, await run_eval(config, parts, store, step=0) | {"time/wall_s": time.monotonic() - began})
+                evaluated = await run_eval(config, parts, store, step=0) | _memory(memory, store, 0)
+                log.write(0, evaluated | {"time/wall_s": time.monotonic() - began})
             size = config.rollout.groups_per_step
             for i in range(0, len(retrain), size):  # stored groups whose update died with a crash
                 if await train_on(retrain[i : i + size], progress, dict):
@@ -188,6 +192,14 @@ def _restore(run: RunDir, parts: Parts, store: TrajectoryStore) -> tuple[int, li
     latest = run.latest_checkpoint()
     step = int(parts.trainer.load(latest[1])["step"]) if latest else 0
     return step, store.groups_after(step, status="trained")
+
+
+def _memory(memory: MemoryProbe, store: TrajectoryStore, step: int) -> dict[str, float]:
+    """The step's `memory/*` metrics (its evaluation included), stored for the replay overview."""
+    metrics = memory.metrics()
+    store.add_metrics(step, metrics)
+    store.commit()
+    return metrics
 
 
 async def _batches(live: AsyncIterator[Group], size: int) -> AsyncIterator[list[Group]]:

@@ -1,0 +1,120 @@
+"""Process memory per step, measured like time: `memory/*` metrics of the run.
+
+`MemoryProbe.metrics()` gives, for the process that trains:
+
+- `memory/rss_mb`: resident set size now (after the step and the allocator trim);
+- `memory/peak_rss_mb`: the process's high-water mark so far (VmHWM; the same
+  number `/usr/bin/time -v` reports as "Maximum resident set size" at the end);
+- `memory/trimmed_mb`: what `malloc_trim` handed back to the OS after the step;
+- `memory/engine/<key>` and `memory/trainer/<key>`: the parts' own shares
+  (e.g. the hf engine's KV and prefix cache, the trainer's weights and
+  optimizer state), from their optional `memory_stats()` (MB by name).
+
+Why trim: glibc keeps freed heap pages of a thread's arena for reuse, and a
+step frees hundreds of MB of activations, KV and logits chunks in several
+threads (trainer thread, engine worker); without a trim the RSS shows the
+largest allocation pattern seen so far in every arena, not what is live.
+
+Reads /proc/self/status (Linux) and falls back to `resource.getrusage`, so it
+imports no torch (the core stays torch-free, tests/agentrl/test_no_torch.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import resource
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+StatusReader = Callable[[], str]
+
+
+def _proc_status() -> str:
+    return Path("/proc/self/status").read_text()
+
+
+def process_memory_mb(read_status: StatusReader = _proc_status) -> tuple[float, float]:
+    """(RSS now, peak RSS) of this process in MiB.
+
+    /proc/self/status `VmRSS` / `VmHWM` where there is one; otherwise the peak
+    from `getrusage` (KiB on Linux, bytes on macOS) for both.
+    """
+    try:
+        fields = dict(line.split(":", 1) for line in read_status().splitlines() if ":" in line)
+        rss = _kib(fields["VmRSS"]) / 1024
+        peak = _kib(fields["VmHWM"]) / 1024
+        return rss, max(peak, rss)
+    except (OSError, KeyError, ValueError):
+        maxrss = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        peak = maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024
+        return peak, peak
+
+
+def _kib(field: str) -> float:
+    value, unit = field.split()
+    if unit.lower() != "kb":
+        raise ValueError(f"unexpected /proc/self/status unit {unit!r}")
+    return float(value)
+
+
+class AllocatorTrim:
+    """`malloc_trim(0)` of glibc: hand freed heap pages of every arena back to the OS.
+
+    A no-op (`available` False) where libc has no malloc_trim (musl, macOS).
+    """
+
+    def __init__(self) -> None:
+        self._trim: Callable[[int], int] | None = None
+        name = ctypes.util.find_library("c") or "libc.so.6"
+        try:
+            self._trim = ctypes.CDLL(name).malloc_trim
+        except (OSError, AttributeError):
+            self._trim = None
+
+    @property
+    def available(self) -> bool:
+        return self._trim is not None
+
+    def __call__(self) -> None:
+        if self._trim is not None:
+            self._trim(0)
+
+
+class MemoryProbe:
+    """The run's `memory/*` metrics (module docstring); one per run, no global state.
+
+    `parts` maps a share's name ("engine", "trainer") to the object whose
+    optional `memory_stats() -> {key: MB}` reports it; objects without one add nothing.
+    """
+
+    def __init__(
+        self,
+        parts: Mapping[str, object] | None = None,
+        *,
+        trim: bool = True,
+        read_status: StatusReader = _proc_status,
+    ) -> None:
+        self._parts = dict(parts or {})
+        self._trim = AllocatorTrim() if trim else None
+        self._read_status = read_status
+
+    def metrics(self) -> dict[str, float]:
+        """Trim the allocator (when on), then measure: see the module docstring for the keys."""
+        out: dict[str, float] = {}
+        if self._trim is not None and self._trim.available:
+            before, _ = process_memory_mb(self._read_status)
+            self._trim()
+            after, _ = process_memory_mb(self._read_status)
+            out["memory/trimmed_mb"] = max(0.0, before - after)
+        rss, peak = process_memory_mb(self._read_status)
+        out["memory/rss_mb"] = rss
+        out["memory/peak_rss_mb"] = peak
+        for share, part in self._parts.items():
+            stats = getattr(part, "memory_stats", None)
+            if not callable(stats):
+                continue
+            for key, value in stats().items():
+                out[f"memory/{share}/{key}"] = float(value)
+        return out
