@@ -5,7 +5,9 @@ into what the page draws, in order:
 
 1. headline charts, each with one or more series on the same axis: training
    reward with held-out reward, success rate with held-out pass@1, the
-   engine/trainer mismatch KL, entropy, response length, tokens/s, staleness;
+   engine/trainer mismatch KL, entropy, response length, tokens/s, staleness,
+   process memory (RSS after each step and its peak, with the engine's and
+   the trainer's own shares, `memory/engine/*` and `memory/trainer/*`, on the same MiB axis);
 2. every other metric, grouped by prefix (`adv/`, `off_policy/`, ...), a
    chart per metric that changes;
 3. one line of the metrics that never change (a flat chart says nothing).
@@ -56,7 +58,12 @@ HEADLINES = (
     Headline("staleness", "staleness (policy versions behind)",
              (Series("mean", ("staleness/mean", "off_policy/staleness_mean", "rollout/staleness_mean")),
               Series("max", ("staleness/max", "off_policy/staleness_max")))),
+    Headline("memory", "process memory (MiB): RSS after the step, peak, and the parts' own shares",
+             (Series("rss", ("memory/rss_mb",)), Series("peak", ("memory/peak_rss_mb",)))),
 )  # fmt: skip
+
+SHARES = ("memory/engine/", "memory/trainer/")
+"""Prefixes of the parts' own memory shares: drawn as extra lines of the memory chart."""
 
 TOP_LEVEL = "step"
 """The group of metric names without a prefix (loss, grad_norm, lr, ...)."""
@@ -78,6 +85,10 @@ def overview_layout(
             key = next((k for k in s.keys if table.get(k)), None)
             if key is not None:
                 series.append({"label": s.label, "key": key, "points": table[key]})
+                used.add(key)
+        if h.id == "memory" and series:
+            for key in sorted(k for k in table if k.startswith(SHARES)):
+                series.append({"label": key.removeprefix("memory/"), "key": key, "points": table[key]})
                 used.add(key)
         if series:
             chart: Layout = {"id": h.id, "title": h.title, "series": series}

@@ -61,3 +61,22 @@ def test_a_run_without_metrics_still_opens_on_reward() -> None:
     assert layout["headline"][0]["series"][0]["points"] == [[1, 0.1], [2, 0.2], [3, 0.30000000000000004]]
     assert [c["id"] for c in layout["headline"]] == ["reward", "success"]
     assert overview_layout([], []) == {"headline": [], "groups": [], "constants": []}
+
+
+def test_memory_chart_draws_rss_peak_and_each_parts_share() -> None:
+    metrics = [
+        (s, {"reward/mean": 0.1, "memory/rss_mb": 2000.0 + s, "memory/peak_rss_mb": 2500.0 + s,
+             "memory/engine/prefix_cache_mb": 10.0 * s, "memory/trainer/optimizer_mb": 4.0,
+             "memory/trimmed_mb": 5.0 * s})
+        for s in range(1, 4)
+    ]  # fmt: skip
+    layout = overview_layout(metrics, [])
+    memory = next(c for c in layout["headline"] if c["id"] == "memory")
+    assert [s["key"] for s in memory["series"]] == [
+        "memory/rss_mb", "memory/peak_rss_mb", "memory/engine/prefix_cache_mb", "memory/trainer/optimizer_mb",
+    ]
+    assert memory["series"][0]["points"] == [[1, 2001.0], [2, 2002.0], [3, 2003.0]]
+    assert memory["series"][2]["label"] == "engine/prefix_cache_mb"
+    # a share that never changes is still drawn in the chart, not folded into the constants
+    assert "memory/trainer/optimizer_mb" not in dict(layout["constants"])
+    assert [c["id"] for g in layout["groups"] for c in g["charts"]] == ["memory/trimmed_mb"]
