@@ -17,7 +17,8 @@ The RL step (`train_samples`), top to bottom:
 
 The models it runs (policy, reference, critic; LoRA, DDP/FSDP/DeepSpeed ZeRO,
 sequence parallel) are built by `assembly.build_models`; micro-batches come from
-`micro_batches.MicroBatcher`; the optimizer and LR schedule from `optim`. Weights stay fp32; forward passes run under bf16
+`micro_batches.MicroBatcher`; the optimizer and LR schedule from `optim`; the
+advantage inputs (3) and the step's metrics (5) from `step_bookkeeping`. Weights stay fp32; forward passes run under bf16
 autocast where the device supports it. `state_for_engines()` hands the weights
 over in named buckets.
 """
@@ -35,13 +36,11 @@ import torch
 from torch import nn
 
 from agentrl.trainer import Trainer, TrainStepResult, group_samples
-from agentrl.trainers.advantages import Advantages, compute_advantages
 from agentrl.trainers.assembly import Models, TrainerConfigError, build_models
 from agentrl.trainers.config import TrainerConfig
 from agentrl.trainers.distributed import (
     World,
     all_gather_dict,
-    all_reduce_max,
     all_reduce_sum,
     full_tensor,
     maybe_no_sync,
@@ -51,7 +50,6 @@ from agentrl.trainers.losses import (
     PolicyLossInputs,
     aggregation_weights,
     gspo_old_logprobs,
-    kl_estimate,
     policy_loss,
 )
 from agentrl.trainers.micro_batches import (
@@ -70,16 +68,19 @@ from agentrl.trainers.optim import (
     lr_schedule,
     seed_everything,
 )
-from agentrl.trainers.packing import PackedBatch, padding_counts, padding_metrics
-from agentrl.trainers.shared_prefix import layout_cost
+from agentrl.trainers.packing import PackedBatch
+from agentrl.trainers.step_bookkeeping import (
+    Samples,
+    add_sums,
+    group_advantages,
+    packing_metrics,
+    step_metrics,
+)
 from agentrl.trainers.token_stats import TokenStatsRecorder
 from agentrl.types import JSON, Group, TrainSample
 from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
 
-__all__ = ["TorchTrainer", "TrainerConfigError"]
-
-Samples = Sequence[Sequence[TrainSample]]
-"""A batch as the trainer takes it: the samples of each group (`Trajectory.tokens()`), group by group."""
+__all__ = ["Samples", "TorchTrainer", "TrainerConfigError"]
 
 
 class TorchTrainer:
@@ -162,7 +163,7 @@ class TorchTrainer:
         prox = self._aux_logprobs(self.model, aux_batches) if updates > 1 else {}
 
         # 3. advantages over whole groups
-        adv = self._advantages(groups, base, ref, values)
+        adv = group_advantages(cfg, groups, base, ref, values)
         fields: dict[str, Sequence[torch.Tensor]] = dict(base)
         fields["advantages"] = adv.advantages
         if prox:
@@ -186,17 +187,18 @@ class TorchTrainer:
                 if first:
                     first_epoch_batches.extend(batches)
                 counts = mini_batch_counts(fields["loss_mask"], part)
-                _add(sums, self._accumulate(batches, counts, fields, stats if first else None,
+                add_sums(sums, self._accumulate(batches, counts, fields, stats if first else None,
                                             recorder if first else None))  # fmt: skip
                 if not apply:
                     self._reduce_sp_gradients()
                     continue
-                _add(sums, {"grad_norm": self._optimizer_step()})
+                add_sums(sums, {"grad_norm": self._optimizer_step()})
                 if self.critic is not None:
-                    _add(sums, {"critic/loss": self._critic_update(batches, fields, counts[1])})
+                    add_sums(sums, {"critic/loss": self._critic_update(batches, fields, counts[1])})
 
         # 5. metrics (`lr`: the rate this step used), LR schedule, version
-        metrics = adv.metrics | self._metrics(sums, stats, updates, first_epoch_batches, ids)
+        lr = float(self.scheduler.get_last_lr()[0])
+        metrics = adv.metrics | step_metrics(cfg, self.world, sums, stats, updates, first_epoch_batches, ids, lr)
         metrics["optim/skipped_updates"] = float(self.skipped_updates - skipped_before)
         if apply:
             advance_schedule(self.scheduler)
@@ -250,43 +252,6 @@ class TorchTrainer:
         forwards = self.batcher.forwards(list(batches), fields, at_least_one=False)
         local = self.critic.values(forwards, extra_forwards=len(forwards) - len(batches))
         return all_gather_dict(local, self.world)
-
-    # ------------------------------------------------------------------ 3. advantages
-    def _advantages(
-        self,
-        groups: Samples,
-        base: Mapping[str, Sequence[torch.Tensor]],
-        ref: Mapping[int, torch.Tensor],
-        values: Mapping[int, torch.Tensor],
-    ) -> Advantages:
-        """The configured estimator over whole groups (KL in reward subtracted first, when on)."""
-        cfg = self.config
-        n = len(base["loss_mask"])
-        kl_pen = None
-        kl_metrics: dict[str, float] = {}
-        if cfg.kl.enabled and cfg.kl.in_reward:
-            flat_pen = [
-                cfg.kl.coef
-                * kl_estimate(base["behaviour_logprobs"][i], ref[i], cfg.kl.estimator)
-                * base["loss_mask"][i]
-                for i in range(n)
-            ]
-            kl_pen = _nest(flat_pen, groups)
-            loss_tokens = max(float(torch.cat(list(base["loss_mask"])).sum()), 1.0)
-            kl_metrics["kl/in_reward_mean"] = float(torch.cat(flat_pen).sum() / loss_tokens)
-        adv = compute_advantages(
-            groups,
-            cfg.advantage,
-            gamma=cfg.gamma,
-            lam=cfg.critic.lam if cfg.critic is not None else 1.0,
-            eps=cfg.adv_eps,
-            kl_penalty=kl_pen,
-            values=_nest([values[i] for i in range(n)], groups) if values else None,
-            step_weight=cfg.gigpo.step_weight if cfg.gigpo is not None else 1.0,
-            step_norm=cfg.gigpo.step_norm if cfg.gigpo is not None else "std",
-        )
-        adv.metrics = kl_metrics | adv.metrics
-        return adv
 
     # ------------------------------------------------------------------ 4. accumulate, optimizer step
     def _accumulate(
@@ -425,39 +390,6 @@ class TorchTrainer:
 
             reduce_gradients(self.models.trainable(), self.sp_groups)
 
-    # ------------------------------------------------------------------ 5. metrics
-    def _metrics(
-        self,
-        sums: Mapping[str, float],
-        stats: MismatchStats,
-        updates: int,
-        batches: Sequence[PackedBatch],
-        ids: Sequence[Sequence[int]],
-    ) -> dict[str, float]:
-        """Loss terms averaged over the updates, mismatch and packing stats over all ranks, the LR."""
-        out = {k: v / updates for k, v in sums.items()}
-        merged = all_reduce_sum(stats.as_tensor(), self.world)
-        maxes = all_reduce_max(
-            torch.tensor([stats.max_abs_dlogp, stats.staleness_max, stats.fresh_max_abs_dlogp], dtype=torch.float64),
-            self.world,
-        )
-        stats.merge_(merged)
-        stats.max_abs_dlogp, stats.staleness_max, stats.fresh_max_abs_dlogp = (float(x) for x in maxes.tolist())
-        out |= stats.metrics()
-        out |= self._packing_metrics(batches, ids)
-        if self.config.shared_prefix and batches:
-            real = sum(b.num_tokens - b.num_pad for b in batches)
-            run = sum(layout_cost(b.cu_seqlens.tolist(), b.families) for b in batches)
-            out["pack/shared_prefix_saved"] = 1.0 - run / max(real, 1)
-        out["lr"] = float(self.scheduler.get_last_lr()[0])
-        out["samples"] = float(len(ids))
-        return out
-
-    def _packing_metrics(self, batches: Sequence[PackedBatch], ids: Sequence[Sequence[int]]) -> dict[str, float]:
-        """`packing.padding_metrics` over every rank's micro-batches."""
-        counts = torch.tensor(padding_counts(batches, [len(x) for x in ids]), dtype=torch.float64)
-        return padding_metrics(all_reduce_sum(counts, self.world).tolist())
-
     # ------------------------------------------------------------------ SFT
     def sft_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One optimizer step of masked cross-entropy (token mean over loss-mask tokens)."""
@@ -493,7 +425,7 @@ class TorchTrainer:
             "lr": lr,
             "time/train_step_s": time.perf_counter() - t0,
             "policy_version": float(self.policy_version),
-            **self._packing_metrics(real, ids),
+            **packing_metrics(self.world, real, ids),
         }
 
     # ------------------------------------------------------------------ state
@@ -538,20 +470,6 @@ class TorchTrainer:
         from agentrl.trainers.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path)
-
-
-# ---------------------------------------------------------------------- helpers
-def _nest(flat: Sequence[torch.Tensor], nested: Samples) -> list[list[torch.Tensor]]:
-    out, i = [], 0
-    for g in nested:
-        out.append(list(flat[i : i + len(g)]))
-        i += len(g)
-    return out
-
-
-def _add(sums: dict[str, float], values: Mapping[str, float]) -> None:
-    for k, v in values.items():
-        sums[k] = sums.get(k, 0.0) + v
 
 
 _IS_A_TRAINER: type[Trainer] = TorchTrainer  # mypy checks that TorchTrainer fits agentrl.trainer.Trainer

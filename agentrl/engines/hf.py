@@ -5,7 +5,7 @@ scheduler: at every step it admits waiting requests (one left-padded prefill,
 whose KV cache is merged into the running batch), runs one decode step for all
 running rows, samples per row (own temperature/top-k/top-p, exact logprobs,
 see `hf_sampling`), and retires finished rows (stop id, stop string, max
-tokens) by resolving their futures on the caller's event loop. The model never
+tokens) by resolving their futures on the caller's event loop (`hf_requests`). The model never
 runs on the event loop, so the loop stays responsive while it decodes.
 
 Own scheduler rather than transformers' `generate_batch`: it gives per-token
@@ -41,7 +41,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,30 +49,13 @@ from pydantic import Field
 from agentrl.engines.base import EngineClosed as EngineClosed  # re-exported: callers catch it from here
 from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, TokenDelta, WeightSource
 from agentrl.engines.hf_kv import KVBatch, merge, pack, past_cache, plain_kv_cache, row_kv, select
+from agentrl.engines.hf_requests import Request, finish_reason, resolve, retrieved
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
 from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
-from agentrl.types import Completion, FinishReason
+from agentrl.types import Completion
 
-
-@dataclass(eq=False)
-class _Request:
-    prompt: list[int]
-    sampling: Sampling
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Completion]
-    stop_ids: frozenset[int]
-    row: RowSampling
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    text_len: int = 0
-    cancelled: bool = False
-    epoch: int = -1  # weights epoch at admission: its KV is cacheable only while that epoch lasts
-    updates: asyncio.Queue[int | None] | None = None  # streamed: tokens sampled so far, then None when resolved
-
-
-_Batch = KVBatch[_Request]  # the running rows and their KV cache (agentrl.engines.hf_kv)
+_Batch = KVBatch[Request]  # the running rows and their KV cache (agentrl.engines.hf_kv)
 
 
 class HFEngine:
@@ -115,7 +97,7 @@ class HFEngine:
         self._step_lock = threading.Lock()  # held during a step; weight copies take it between steps
         self._update_waiting = threading.Event()  # a copy waits for the lock: the worker steps aside
         self._update_lock: asyncio.Lock | None = None
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[Request] = deque()
         self._paused = False  # finish_old update in progress: admit nothing
         self._running = 0
         self._closed = False
@@ -177,9 +159,9 @@ class HFEngine:
         finally:
             if not req.future.done():
                 req.cancelled = True  # the worker drops it at its next step
-            req.future.add_done_callback(_retrieved)
+            req.future.add_done_callback(retrieved)
 
-    def _submit(self, prompt_ids: Sequence[int], sampling: Sampling, *, stream: bool) -> _Request:
+    def _submit(self, prompt_ids: Sequence[int], sampling: Sampling, *, stream: bool) -> Request:
         """Queue a request for the worker."""
         if self._closed:
             raise EngineClosed("hf engine is closed")
@@ -187,7 +169,7 @@ class HFEngine:
             raise ValueError("generate: prompt_ids is empty")
         loop = asyncio.get_running_loop()
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        req = _Request(
+        req = Request(
             prompt=list(prompt_ids),
             sampling=sampling,
             loop=loop,
@@ -220,7 +202,7 @@ class HFEngine:
                     self._cv.wait()
                 if self._closed:
                     break
-                new: list[_Request] = []
+                new: list[Request] = []
                 room = self.config.max_batch_size - (len(batch.rows) if batch else 0)
                 while self._waiting and not self._paused and len(new) < room:
                     req = self._waiting.popleft()
@@ -240,7 +222,7 @@ class HFEngine:
                 failed = [*(batch.rows if batch else []), *new]
                 batch = None
                 for req in failed:
-                    self._resolve(req, e)
+                    resolve(req, e)
             self._busy_s += time.monotonic() - started
             with self._cv:
                 self._running = len(batch.rows) if batch else 0
@@ -248,14 +230,14 @@ class HFEngine:
         leftover = [*(batch.rows if batch else []), *self._waiting]
         self._waiting.clear()
         for req in leftover:
-            self._resolve(req, EngineClosed("hf engine closed before the request finished"))
+            resolve(req, EngineClosed("hf engine closed before the request finished"))
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.autocast_bf16:
             return torch.autocast(device_type=self.model.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _admit(self, batch: _Batch | None, new: list[_Request]) -> _Batch | None:
+    def _admit(self, batch: _Batch | None, new: list[Request]) -> _Batch | None:
         """Prefill the new prompts (reusing cached prefixes) and merge them into the running batch."""
         for r in new:
             r.epoch = self._weights_epoch
@@ -266,7 +248,7 @@ class HFEngine:
         merged = fresh if batch is None else merge(batch, fresh)
         return self._retire(merged)
 
-    def _lookup(self, reqs: list[_Request]) -> list[tuple[PrefixEntry | None, int]]:
+    def _lookup(self, reqs: list[Request]) -> list[tuple[PrefixEntry | None, int]]:
         """Each prompt's longest cached prefix (entry, length), leaving its last token to prefill."""
         if not self._prefix.enabled:
             return [(None, 0)] * len(reqs)
@@ -275,14 +257,14 @@ class HFEngine:
         ]
 
     def _split(
-        self, new: list[_Request]
-    ) -> tuple[list[_Request], list[tuple[PrefixEntry | None, int]], list[_Request]]:
+        self, new: list[Request]
+    ) -> tuple[list[Request], list[tuple[PrefixEntry | None, int]], list[Request]]:
         """Requests to prefill now with their store hits, and those to defer: requests sharing a
         longer prefix with an earlier new request than with the store."""
         if not self._prefix.enabled or len(new) < 2:
             return new, self._lookup(new), []
-        first: list[tuple[_Request, torch.Tensor, tuple[PrefixEntry | None, int]]] = []
-        later: list[_Request] = []
+        first: list[tuple[Request, torch.Tensor, tuple[PrefixEntry | None, int]]] = []
+        later: list[Request] = []
         for r in new:
             ids = torch.tensor(r.prompt, dtype=torch.long)
             limit = len(r.prompt) - 1
@@ -294,7 +276,7 @@ class HFEngine:
                 first.append((r, ids, hit))
         return [r for r, _, _ in first], [h for _, _, h in first], later
 
-    def _prefill(self, reqs: list[_Request], hits: list[tuple[PrefixEntry | None, int]]) -> _Batch:
+    def _prefill(self, reqs: list[Request], hits: list[tuple[PrefixEntry | None, int]]) -> _Batch:
         """One forward pass over the uncached rest of each prompt; samples each row's first token.
 
         Row i of the call: [pad | cached KV of n_i tokens] as past (width P = max n_i),
@@ -383,9 +365,9 @@ class HFEngine:
         the rows, so a caller that sees its result also sees a consistent `health()`.
         """
         keep: list[int] = []
-        done: list[tuple[_Request, Completion]] = []
+        done: list[tuple[Request, Completion]] = []
         for i, req in enumerate(batch.rows):
-            reason = None if req.cancelled else self._finish_reason(req)
+            reason = None if req.cancelled else finish_reason(req, self.tokenizer)
             if req.cancelled:
                 continue
             if reason is None:
@@ -400,37 +382,8 @@ class HFEngine:
         with self._cv:
             self._running = max(0, self._running - (len(batch.rows) - len(keep)))
         for req, completion in done:
-            self._resolve(req, completion)
+            resolve(req, completion)
         return kept
-
-    def _finish_reason(self, req: _Request) -> FinishReason | None:
-        if req.ids[-1] in req.stop_ids:
-            return "stop"
-        stops = req.sampling.stop_strings
-        if stops:
-            text = self.tokenizer.decode(req.ids)
-            for s in stops:
-                if text.find(s, max(0, req.text_len - len(s) + 1)) >= 0:
-                    return "stop"
-            req.text_len = len(text)
-        if len(req.ids) >= req.sampling.max_tokens:
-            return "length"
-        return None
-
-    @staticmethod
-    def _resolve(req: _Request, result: Completion | BaseException) -> None:
-        def deliver() -> None:
-            if req.future.done():
-                return
-            if isinstance(result, BaseException):
-                req.future.set_exception(result)
-            else:
-                req.future.set_result(result)
-            if req.updates is not None:
-                req.updates.put_nowait(None)
-
-        with contextlib.suppress(RuntimeError):  # the caller's loop is already closed
-            req.loop.call_soon_threadsafe(deliver)
 
     # -- weights, health, lifecycle ---------------------------------------------------------
 
@@ -540,12 +493,6 @@ class HFEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _retrieved(future: asyncio.Future[Completion]) -> None:
-    """Mark a left stream's outcome as seen (no "exception was never retrieved" warning)."""
-    if not future.cancelled():
-        future.exception()
 
 
 _MIN_SHARED_GAIN = 16  # tokens an in-admission shared prefix must add over the store to defer a request
