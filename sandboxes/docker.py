@@ -45,7 +45,9 @@ from .base import (
     QueueConfig,
     sandbox_error,
 )
+from .docker_workspace import DockerPrepared, DockerWorkspace, prepare_docker
 from .local import SANDBOX_ENV, SCRATCH_DIRS, server_message, server_result
+from .workspace import PreparedState, WorkspaceSpec
 
 _SERVER_SRC = Path(__file__).with_name("_forkserver.py").read_text()
 _HDR = struct.Struct(">I")
@@ -93,6 +95,11 @@ class DockerConfig(QueueConfig):
     #: ``sleep``). ``server``: the fork server is each container's PID 1, kept warm and fed through
     #: the attach stream (much faster; the code cannot signal its supervisor; the wall timeout is
     #: the server's own, with the host backstop killing the container).
+    workspace_user: str = Field(
+        default="0:0",
+        description="uid:gid of workspace containers and their commands (root with a few capabilities: "
+        "task images expect to own their files)",
+    )
     mode: Literal["exec", "server"] = Field(
         default="exec",
         description="exec: one docker exec per request; server: a warm fork server per container (faster)",
@@ -168,8 +175,9 @@ class DockerSandbox(BaseSandbox):
         self._all: dict[str, Any] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._streams: dict[str, _Stream] = {}
-        self._owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._owner = self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self._reaped = False
+        self._ws_reaped = False
 
     @classmethod
     def from_config(cls, config: DockerConfig | dict[str, Any] | None = None) -> DockerSandbox:
@@ -187,6 +195,28 @@ class DockerSandbox(BaseSandbox):
             if owner_host == host and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 with contextlib.suppress(Exception):
                     container.remove(force=True)
+
+    def reap_stale_workspaces_sync(self) -> None:
+        """Once per backend: remove containers and prepared images left by dead processes of this host."""
+        if self._ws_reaped:
+            return
+        self._ws_reaped = True
+        host = socket.gethostname()
+        with contextlib.suppress(Exception):
+            self._reap_stale_sync()
+            for image in self.client.images.list(filters={"label": self.config.label}):
+                owner_host, _, pid = (image.labels or {}).get(self.config.label, "").rpartition(":")
+                if owner_host == host and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                    with contextlib.suppress(Exception):
+                        self.client.images.remove(image.id, force=True)
+
+    def workspace(self, spec: WorkspaceSpec | None = None, *, prepared: PreparedState | None = None) -> DockerWorkspace:
+        """One persistent workspace in its own container (``async with``); see agentrl.sandboxes.docker_workspace."""
+        return DockerWorkspace(self, spec or WorkspaceSpec(), prepared)
+
+    async def prepare(self, spec: WorkspaceSpec) -> DockerPrepared:
+        """Run ``spec``'s set-up once and commit it; ``workspace(spec, prepared=...)`` starts from that image."""
+        return await prepare_docker(self, spec)
 
     def _create_sync(self) -> Any:
         c = self.config
