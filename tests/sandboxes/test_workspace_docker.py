@@ -83,10 +83,11 @@ async def test_isolation_and_teardown(docker_sb: Any) -> None:
 
 async def test_committed_forks(docker_sb: Any) -> None:
     spec = WorkspaceSpec(setup=("echo run >> setup.log; echo v1 > data",))
-    async with await docker_sb.prepare(spec) as prepared:
-        async with docker_sb.workspace(spec, prepared=prepared) as a, docker_sb.workspace(spec, prepared=prepared) as b:
-            assert (await a.exec("cat setup.log data; echo v2 > data")).stdout == "run\nv1\n"
-            assert (await b.exec("cat data")).stdout == "v1\n"
+    prepared = await docker_sb.prepare(spec)
+    async with (prepared, docker_sb.workspace(spec, prepared=prepared) as a,
+                docker_sb.workspace(spec, prepared=prepared) as b):
+        assert (await a.exec("cat setup.log data; echo v2 > data")).stdout == "run\nv1\n"
+        assert (await b.exec("cat data")).stdout == "v1\n"
     assert ours(docker_sb) == [] and ours(docker_sb, "images") == []
 
 
