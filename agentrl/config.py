@@ -25,10 +25,11 @@ import importlib
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from agentrl.errors import ConfigError, PluginError, config_error
 from agentrl.registry import Plugins
@@ -180,6 +181,14 @@ DERIVED: dict[tuple[str, str], tuple[str, str]] = {
 }
 """(section, param) -> (the run key it is set from, why): applied where the plugin's Config has the param."""
 
+DERIVED_HINTS: dict[tuple[str, str], str] = {
+    ("trainer", "temperature"): (
+        "the trainer's logprobs need a sampling distribution (logits / temperature), which greedy decoding "
+        "(0) does not have; for greedy held-out evaluation set run.eval_temperature: 0 instead"
+    ),
+}
+"""What to say when a run key's value is one its derived plugin param refuses (beyond the field's own rule)."""
+
 
 class RunConfig(_Section):
     """Everything one `agentrl train` needs."""
@@ -304,8 +313,23 @@ def _derived_params(config: RunConfig, section: str, spec: PluginSpec, fields: M
         given = spec.params.get(key, value)
         if given != value:
             raise ConfigError(f"{section}.{key}: got {given!r}, but {why}, {source}={value!r}; set {source} instead")
+        _check_derived_value(source, value, f"{section}.{key}", fields[key], why, DERIVED_HINTS.get((where, key)))
         derived[key] = value
     return derived
+
+
+def _check_derived_value(source: str, value: Any, target: str, field: Any, why: str, hint: str | None) -> None:
+    """A run key's value that the plugin param set from it refuses is an error naming the run key the user set."""
+    if not isinstance(field, FieldInfo) or field.annotation is None:
+        return
+    try:
+        TypeAdapter(Annotated[field.annotation, field]).validate_python(value)
+    except ValidationError as e:
+        rule = str(e.errors()[0]["msg"]).removeprefix("Input should be ")
+        raise ConfigError(
+            f"{source}: got {value!r}; it must be {rule} because {target} is set from it ({why})"
+            + (f": {hint}" if hint else "")
+        ) from None
 
 
 def _validate_section(plugins: Plugins, config: RunConfig, section: str, spec: PluginSpec) -> BaseModel | None:

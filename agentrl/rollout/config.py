@@ -39,7 +39,10 @@ class SamplingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 = greedy")
+    temperature: float = Field(
+        1.0, ge=0.0, description="sampling temperature; a training run needs > 0 (the trainer scores the "
+        "sampled distribution); 0 = greedy, for evaluation (run.eval_temperature)"
+    )
     top_p: float = Field(
         1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the top tokens up to this mass; 1 = off"
     )

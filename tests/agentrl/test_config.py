@@ -114,6 +114,18 @@ def test_trainer_temperature_follows_the_sampling_temperature(plugins: Plugins) 
     assert both.trainer.params["temperature"] == 0.7  # the same value, said twice, is fine
 
 
+def test_a_greedy_rollout_temperature_is_refused_naming_the_rollout_key(plugins: Plugins) -> None:
+    """Temperature 0 is refused up front under the key the user set (rollout.sampling.temperature),
+    saying what is allowed and why, not as an error about trainer.temperature; greedy evaluation
+    (run.eval_temperature: 0) stays allowed."""
+    msg = error_of(plugins, BASE, "rollout.sampling.temperature=0")
+    assert msg.startswith("rollout.sampling.temperature: got 0.0"), msg
+    assert "greater than 0" in msg and "logprobs" in msg and "run.eval_temperature" in msg
+    assert not msg.startswith("trainer.")
+    greedy_eval = resolve(plugins, BASE, "run.eval_temperature=0")
+    assert greedy_eval.run.eval_temperature == 0.0
+
+
 def test_one_seed_for_the_run(plugins: Plugins) -> None:
     """run.seed seeds the trainer and the engine too; a plugin seed that differs is an error."""
     plugins.engines.add("seeded", SeededEngine, source="test")
