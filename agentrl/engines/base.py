@@ -29,6 +29,8 @@ class Sampling:
     stop_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    grammar: str | None = None  # constrained decoding (llguidance Lark, agentrl.engines.constrained); only engines
+    # with `constrained_decoding = True` serve it, sampling from the masked distribution (exact logprobs)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -50,6 +50,7 @@ from agentrl.engines.base import EngineClosed as EngineClosed  # re-exported: ca
 from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, TokenDelta, WeightSource
 from agentrl.engines.hf_kv import KVBatch, merge, pack, past_cache, plain_kv_cache, row_kv, select
 from agentrl.engines.hf_requests import Request, finish_reason, resolve, retrieved
+from agentrl.engines.constrained import Grammars, mask_logits
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
 from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
@@ -60,6 +61,8 @@ _Batch = KVBatch[Request]  # the running rows and their KV cache (agentrl.engine
 
 class HFEngine:
     """A transformers model serving many concurrent requests from one worker thread."""
+
+    constrained_decoding = True  # serves `Sampling.grammar` (agentrl.engines.constrained)
 
     class Config(ServingConfig):
         autocast_bf16: bool = Field(default=False, description="fp32 weights, bf16 autocast matmuls (CPU)")
@@ -93,6 +96,7 @@ class HFEngine:
         pad = self.model.generation_config.pad_token_id
         self._pad_id = int(pad if pad is not None else (eos_list[0] if eos_list else 0))
         self._generator = torch.Generator().manual_seed(cfg.seed)
+        self._grammars = Grammars(self.tokenizer, sorted(self._eos_ids), int(self.model.get_output_embeddings().out_features))
         self._cv = threading.Condition()
         self._step_lock = threading.Lock()  # held during a step; weight copies take it between steps
         self._update_waiting = threading.Event()  # a copy waits for the lock: the worker steps aside
@@ -177,6 +181,7 @@ class HFEngine:
             stop_ids=self._eos_ids | frozenset(sampling.stop_ids),
             row=RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, gen),
             updates=asyncio.Queue() if stream else None,
+            grammar=self._grammars.matcher(sampling.grammar, sampling.stop_ids) if sampling.grammar else None,
         )
         self._ensure_worker()
         with self._cv:
@@ -346,11 +351,14 @@ class HFEngine:
         return self._retire(batch)
 
     def _sample_into(self, batch: _Batch, logits: torch.Tensor) -> None:
+        logits = mask_logits(logits, [r.grammar for r in batch.rows])  # constrained rows: the masked distribution
         ids, logprobs = sample_rows(logits, [r.row for r in batch.rows], self._generator)
         batch.next_ids = torch.tensor(ids, dtype=torch.long)
         version = self.policy_version
         for req, tok, lp in zip(batch.rows, ids, logprobs, strict=True):
             req.ids.append(tok)
+            if req.grammar is not None:
+                req.grammar.consume(tok)
             req.logprobs.append(lp)
             req.versions.append(version)
             if req.updates is not None:  # streamed: the caller may read this many tokens now

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.engines.base import Sampling
+from agentrl.engines.constrained import GrammarMatcher
 from agentrl.engines.hf_sampling import RowSampling
 from agentrl.types import Completion, FinishReason
 
@@ -35,6 +36,7 @@ class Request:
     cancelled: bool = False
     epoch: int = -1  # weights epoch at admission: its KV is cacheable only while that epoch lasts
     updates: asyncio.Queue[int | None] | None = None  # streamed: tokens sampled so far, then None when resolved
+    grammar: GrammarMatcher | None = None  # constrained decoding (`Sampling.grammar`): masks each step's logits
 
 
 def finish_reason(req: Request, tokenizer: Any) -> FinishReason | None:

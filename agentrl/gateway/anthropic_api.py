@@ -23,11 +23,13 @@ from typing import Any
 from agentrl.gateway.protocol import (
     ChatRequest,
     ChatResult,
+    Constraint,
     Event,
     GatewayError,
     TrainerSampling,
     bad,
     check_sampling,
+    forced_call,
     tool_call,
 )
 from agentrl.types import Message, ToolCall
@@ -103,13 +105,18 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(body: Mapping[str, Any]) -> str:
+def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, Constraint | None]:
+    """(auto | none | required, the constraint of `any` / a named `tool`)."""
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, Mapping) else choice
     if kind in (None, "auto", "none"):
-        return str(kind or "auto")
-    raise bad(f"tool_choice type {kind!r} needs constrained decoding, which would change the distribution the "
-              "trainer learns from; send 'auto' or 'none'", "tool_choice")
+        return str(kind or "auto"), None
+    if kind == "any":
+        return "required", forced_call(None, tools, "tool_choice={type: any}")
+    if kind == "tool" and isinstance(choice, Mapping):
+        name = choice.get("name")
+        return "required", forced_call(name, tools, f"tool_choice={{type: tool, name: {name!r}}}")
+    raise bad(f"tool_choice type {kind!r} is not one of auto, any, tool, none", "tool_choice")
 
 
 @dataclass(slots=True)
@@ -180,9 +187,10 @@ def parse_messages_request(body: Any, trainer: TrainerSampling, threads: Threads
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise bad("stop_sequences must be a list of strings", "stop_sequences")
-    tool_choice = _tool_choice(body)
+    tools = continued.tools if continued is not None else _tools(body)
+    tool_choice, forced = _tool_choice(body, tools)
     chat = ChatRequest(
-        messages=messages, tools=continued.tools if continued is not None else _tools(body), tool_choice=tool_choice,
+        messages=messages, tools=tools, tool_choice=tool_choice, constraint=forced,
         max_tokens=max_tokens, stop=tuple(s for s in stop if s),
         seed=body.get("seed") if isinstance(body.get("seed"), int) else None,
         stream=bool(body.get("stream", False)), include_usage=True, logprobs=False, return_token_ids=False,

@@ -52,6 +52,19 @@ class TrainerSampling:
     top_k: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a call forces the reply to be: one tool call (`kind` tool: of `name`, or of any tool) or JSON
+    (`kind` json: following `schema`, any object when None). Served by constrained decoding
+    (`agentrl.engines.constrained`); `label` is how the trajectory's turn records it."""
+
+    kind: str
+    label: str
+    param: str
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+
+
 @dataclass(slots=True)
 class ChatRequest:
     """A validated chat-completions request."""
@@ -67,6 +80,7 @@ class ChatRequest:
     logprobs: bool
     return_token_ids: bool
     model: str
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True)
@@ -94,7 +108,7 @@ def _number(body: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def check_sampling(body: Mapping[str, Any], trainer: TrainerSampling) -> None:
+def check_sampling(body: Mapping[str, Any], trainer: TrainerSampling, *, formats: bool = False) -> None:
     """Refuse any setting that would sample from another distribution than the trainer's."""
     for key, want in (("temperature", trainer.temperature), ("top_p", trainer.top_p)):
         got = _number(body, key)
@@ -119,7 +133,7 @@ def check_sampling(body: Mapping[str, Any], trainer: TrainerSampling) -> None:
     if n is not None and n != 1:
         raise bad(f"n={n!r}: the gateway samples one choice per call; send n=1 and call again for more", "n")
     fmt = body.get("response_format")
-    if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
+    if not formats and isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
         raise bad(
             f"response_format type {fmt.get('type')!r} needs constrained decoding, which would change the "
             "distribution; only 'text' is served",
@@ -221,15 +235,47 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return [dict(t) for t in tools]
 
 
-def _tool_choice(body: Mapping[str, Any]) -> str:
+def forced_call(name: Any, tools: list[dict[str, Any]] | None, label: str) -> Constraint:
+    """The constraint of a call that must use a tool (`name` one of `tools`, or None for any)."""
+    if not tools:
+        raise bad(f"{label} needs tools to call", "tool_choice")
+    if name is not None and name not in [t.get("function", t).get("name") for t in tools]:
+        raise bad(f"{label}: {name!r} is not one of the request's tools", "tool_choice")
+    return Constraint("tool", label, "tool_choice", name=name)
+
+
+def json_format(kind: Any, schema: Any, param: str) -> Constraint | None:
+    """The constraint of a structured-output request (json_object, or json_schema with its schema)."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint("json", f"{param}=json_object", param)
+    if kind == "json_schema":
+        if not isinstance(schema, Mapping):
+            raise bad(f"{param} json_schema needs its schema (an object)", param)
+        return Constraint("json", f"{param}=json_schema", param, schema=dict(schema))
+    raise bad(f"{param} type {kind!r} is not one of text, json_object, json_schema", param)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, Constraint | None]:
+    """(auto | none | required, the constraint a forced call needs)."""
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
-        return str(choice or "auto")
-    raise bad(
-        f"tool_choice={choice!r} needs constrained decoding, which would change the distribution the "
-        "trainer learns from; send 'auto' or 'none'",
-        "tool_choice",
-    )
+        return str(choice or "auto"), None
+    if choice == "required":
+        return "required", forced_call(None, tools, "tool_choice='required'")
+    if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("function"), Mapping):
+        name = choice["function"].get("name")
+        return "required", forced_call(name, tools, f"tool_choice={{function: {name!r}}}")
+    raise bad(f"tool_choice must be 'auto', 'none', 'required' or {{type: function, function: {{name}}}}, "
+              f"got {choice!r}", "tool_choice")
+
+
+def one_constraint(*found: Constraint | None) -> Constraint | None:
+    given = [c for c in found if c is not None]
+    if len(given) > 1:
+        raise bad(f"{given[0].label} and {given[1].label} cannot both constrain one call", given[1].param)
+    return given[0] if given else None
 
 
 def parse_chat_request(body: Any, trainer: TrainerSampling) -> ChatRequest:
@@ -239,15 +285,22 @@ def parse_chat_request(body: Any, trainer: TrainerSampling) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")
-    check_sampling(body, trainer)
+    check_sampling(body, trainer, formats=True)
     top = body.get("top_logprobs")
     if top not in (None, 0):
         raise bad("top_logprobs is not served (the engine returns the sampled token's logprob only)", "top_logprobs")
     options = body.get("stream_options") or {}
+    tools = _tools(body)
+    choice, forced = _tool_choice(body, tools)
+    fmt = body.get("response_format")
+    fmt = fmt if isinstance(fmt, Mapping) else {}
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, Mapping) else None
     return ChatRequest(
         messages=[parse_message(m, i) for i, m in enumerate(messages)],
-        tools=_tools(body),
-        tool_choice=_tool_choice(body),
+        tools=tools,
+        tool_choice=choice,
+        constraint=one_constraint(forced, json_format(fmt.get("type"), schema, "response_format")),
         max_tokens=_max_tokens(body),
         stop=_stop(body),
         seed=body.get("seed") if isinstance(body.get("seed"), int) else None,

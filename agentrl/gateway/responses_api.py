@@ -31,11 +31,15 @@ from agentrl.gateway.protocol import (
     ROLES,
     ChatRequest,
     ChatResult,
+    Constraint,
     Event,
     GatewayError,
     TrainerSampling,
     bad,
     check_sampling,
+    forced_call,
+    json_format,
+    one_constraint,
     text_of,
     tool_call,
 )
@@ -115,22 +119,32 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(body: Mapping[str, Any]) -> str:
+def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, Constraint | None]:
+    """(auto | none | required, the constraint of `required` / a named function)."""
     choice = body.get("tool_choice")
     if choice in (None, "auto", "none"):
-        return str(choice or "auto")
-    raise bad(f"tool_choice={choice!r} needs constrained decoding, which would change the distribution the "
-              "trainer learns from; send 'auto' or 'none'", "tool_choice")
+        return str(choice or "auto"), None
+    if choice == "required":
+        return "required", forced_call(None, tools, "tool_choice='required'")
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        name = choice.get("name")
+        return "required", forced_call(name, tools, f"tool_choice={{type: function, name: {name!r}}}")
+    raise bad(f"tool_choice must be 'auto', 'none', 'required' or {{type: function, name}}, got {choice!r} "
+              "(hosted tools are not served)", "tool_choice")
+
+
+def _text_format(body: Mapping[str, Any]) -> Constraint | None:
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if not isinstance(fmt, Mapping):
+        return None
+    return json_format(fmt.get("type"), fmt.get("schema"), "text.format")
 
 
 def _check_refused(body: Mapping[str, Any]) -> None:
     for key in REFUSED_TRUE:
         if body.get(key):
             raise bad(f"{key} is not served", key)
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), Mapping) else None
-    if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
-        raise bad(f"text.format type {fmt.get('type')!r} needs constrained decoding, which would change the "
-                  "distribution; only 'text' is served", "text.format")
     reasoning = body.get("reasoning")
     if isinstance(reasoning, Mapping) and reasoning.get("effort") not in (None, "none", "minimal"):
         raise bad("reasoning effort is not served: the model's reply is sampled as it is", "reasoning")
@@ -169,8 +183,10 @@ def parse_responses_request(body: Any, trainer: TrainerSampling, stored: Store) 
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise bad(f"max_output_tokens must be a positive integer, got {max_tokens!r}", "max_output_tokens")
     tools = _tools(body)
+    choice, forced = _tool_choice(body, tools)
     chat = ChatRequest(
-        messages=messages, tools=tools, tool_choice=_tool_choice(body), max_tokens=max_tokens, stop=(),
+        messages=messages, tools=tools, tool_choice=choice, constraint=one_constraint(forced, _text_format(body)),
+        max_tokens=max_tokens, stop=(),
         seed=body.get("seed") if isinstance(body.get("seed"), int) else None, stream=bool(body.get("stream", False)),
         include_usage=True, logprobs=False, return_token_ids=False, model=str(body.get("model", "")),
     )

@@ -262,7 +262,7 @@ class Gateway:
                 updates.put_nowait(None)
 
         task = asyncio.ensure_future(answer())
-        parse = chat.tool_choice != "none"
+        parse = chat.tool_choice != "none" and not (chat.constraint is not None and chat.constraint.kind == "json")
         content = ContentStream(decode, backend.tokenizer.eos_ids,
                                 STREAM_MARKERS.get(backend.parser.name) if parse else (), strip=parse)
         wait_s = backend.generate_timeout_s + 60.0  # the session's own deadlines end the call first

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from agentrl.chat.conversation import Budgets, ChatTokenizer, Conversation
 from agentrl.chat.tool_parsers import ToolCallParser
 from agentrl.engines.base import InferenceEngine, Sampling, TokenDelta, generate_stream, join_deltas
+from agentrl.engines.constrained import json_grammar, tool_call_grammar
 from agentrl.gateway.anthropic_api import Thread
 from agentrl.gateway.protocol import ChatRequest, ChatResult, GatewayError, TrainerSampling, bad
 from agentrl.types import JSON, Completion, Message, ToolCall, Trajectory, Turn, new_id
@@ -169,6 +170,7 @@ class Session:
         far after each delta; the recorded turn is the same either way (the deltas joined).
         `on_prompt` hears the prompt's length once the call is matched (a stream's opening event).
         """
+        grammar = self._grammar(request)
         async with self._lock:
             self._check_open()
             found = self._answers.get(fingerprint)
@@ -186,7 +188,7 @@ class Session:
         if not owner:  # a retry: the first request's answer (awaited while it runs)
             return await asyncio.shield(found)
         try:
-            result = await self._generate(branch, request, prompt_len, on_tokens)
+            result = await self._generate(branch, request, prompt_len, on_tokens, grammar)
         except BaseException as e:
             self._answers.pop(fingerprint, None)
             branch.busy = False
@@ -196,6 +198,24 @@ class Session:
             raise
         found.set_result(result)
         return result
+
+    def _grammar(self, request: ChatRequest) -> str | None:
+        """The grammar a constrained call samples under (None when unconstrained); a 400 when the engine
+        cannot constrain or the tool parser's format cannot be forced."""
+        c = request.constraint
+        if c is None:
+            return None
+        engine = self.backend.engine
+        if not getattr(engine, "constrained_decoding", False):
+            raise bad(f"{c.label} needs constrained decoding, which the {type(engine).__name__} does not serve (the "
+                      "hf engine does); without it the reply would not come from the distribution the trainer "
+                      "learns from", c.param, "constrained_decoding_unavailable")
+        try:
+            if c.kind == "tool":
+                return tool_call_grammar(request.tools or [], self.backend.parser.name, c.name)
+            return json_grammar(c.schema)
+        except ValueError as e:
+            raise bad(f"{c.label}: {e}", c.param) from None
 
     def _prepare(self, request: ChatRequest) -> tuple[Branch, int]:
         """The branch this call continues (or a new one) with the new messages appended."""
@@ -237,20 +257,23 @@ class Session:
         return branch, len(branch.conv.token_ids)
 
     async def _generate(
-        self, branch: Branch, request: ChatRequest, prompt_len: int, on_tokens: OnTokens | None = None
+        self, branch: Branch, request: ChatRequest, prompt_len: int, on_tokens: OnTokens | None = None,
+        grammar: str | None = None,
     ) -> ChatResult:
         b = self.backend
         conv = branch.conv
         limit = conv.max_new_tokens()
         max_tokens = min(limit, request.max_tokens) if request.max_tokens else limit
         prompt_ids = list(conv.token_ids) if request.return_token_ids else None
-        completion = await self._sample(conv.token_ids, max_tokens, request.stop, request.seed, on_tokens)
+        completion = await self._sample(conv.token_ids, max_tokens, request.stop, request.seed, on_tokens, grammar)
         eos = b.tokenizer.eos_ids
         ids = completion.ids
         text = b.tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids)
         message = self._message(text, request)
         async with self._lock:
             conv.add_completion(completion, message)
+            if request.constraint is not None:  # sampled from the masked distribution: the logprobs are of that one
+                conv.turns[-1].info["constrained"] = request.constraint.label
             branch.seen.append(message)
             branch.calls.append(self.calls)
             self.calls += 1
@@ -262,7 +285,7 @@ class Session:
 
     def _message(self, text: str, request: ChatRequest) -> Message:
         """The assistant message returned: parsed tool calls with fresh ids, or the text as is."""
-        if request.tool_choice == "none":
+        if request.tool_choice == "none" or (request.constraint is not None and request.constraint.kind == "json"):
             return Message(role="assistant", content=text)
         parsed = self.backend.parser.parse(text)
         if not parsed.tool_calls or any(c.error for c in parsed.tool_calls):
@@ -272,13 +295,13 @@ class Session:
 
     async def _sample(
         self, prompt: list[int], max_tokens: int, stop: Sequence[str], seed: int | None,
-        on_tokens: OnTokens | None = None,
+        on_tokens: OnTokens | None = None, grammar: str | None = None,
     ) -> Completion:
         b = self.backend
         sampling = Sampling(
             max_tokens=max_tokens, temperature=b.sampling.temperature, top_p=b.sampling.top_p,
             top_k=b.sampling.top_k, stop_ids=tuple(b.tokenizer.eos_ids),
-            stop_strings=tuple(dict.fromkeys((*b.stop_strings, *stop))), seed=seed,
+            stop_strings=tuple(dict.fromkeys((*b.stop_strings, *stop))), seed=seed, grammar=grammar,
         )
         try:
             async with asyncio.timeout(b.generate_timeout_s):
