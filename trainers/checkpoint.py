@@ -145,12 +145,15 @@ def _check_zero_layout(trainer: TorchTrainer, path: Path, state: dict[str, Any])
 
 
 def _save_model(trainer: TorchTrainer, out: Path) -> None:
+    from agentrl.trainers.deepspeed_backend import deepspeed_left_unimported
+
     model: Any = trainer.model  # an HF PreTrainedModel, or a peft PeftModel under LoRA
-    if trainer.config.lora is not None:
-        model.save_pretrained(out / "adapter")
-        _save_merged(trainer, out / "model")
-    else:
-        model.save_pretrained(out / "model", safe_serialization=True)
+    with deepspeed_left_unimported():  # this path is never DeepSpeed's: save_pretrained would import it
+        if trainer.config.lora is not None:
+            model.save_pretrained(out / "adapter")
+            _save_merged(trainer, out / "model")
+        else:
+            model.save_pretrained(out / "model", safe_serialization=True)
     _copy_tokenizer(trainer.model_path, out / "model")
 
 

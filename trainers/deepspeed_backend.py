@@ -34,7 +34,9 @@ gets a one-rank group of its own.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -313,6 +315,33 @@ def zero_settings(config: TrainerConfig) -> DeepSpeedConfig:
     if zero is None:
         raise ValueError("trainer.data_parallel is not 'deepspeed'")
     return zero
+
+
+@contextlib.contextmanager
+def deepspeed_left_unimported() -> Iterator[None]:
+    """Keep DeepSpeed unimported through a call into transformers (`save_pretrained`) outside DeepSpeed runs.
+
+    `save_pretrained` unwraps its model with accelerate's `extract_model_from_parallel`,
+    which imports DeepSpeed whenever it is installed, only to test whether the model is
+    a `DeepSpeedEngine`; the import prints DeepSpeed's accelerator warning in runs that
+    never use it. No engine can exist before DeepSpeed is imported, so until then that
+    test is skipped here. The one place, with `require_deepspeed`, that decides when
+    DeepSpeed is imported: `trainer.data_parallel: deepspeed` only.
+    """
+    if "deepspeed" in sys.modules:
+        yield
+        return
+    try:
+        from accelerate.utils import other
+    except ImportError:  # no accelerate: transformers unwraps by hand, without DeepSpeed
+        yield
+        return
+    probe = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = probe
 
 
 def require_deepspeed() -> None:

@@ -75,3 +75,35 @@ def test_lora_checkpoint_saves_merged_model_and_resumes_adapter(
         want = t.model(input_ids=ids).logits
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r.model(input_ids=ids).logits, want)
+
+
+DEFAULT_RUN_WITHOUT_DEEPSPEED = """
+import sys
+from agentrl.trainers.config import TrainerConfig
+from agentrl.trainers.torch_trainer import TorchTrainer
+
+trainer = TorchTrainer(TrainerConfig(dtype="fp32"), sys.argv[1])
+list(trainer.state_for_engines().buckets())
+trainer.save(sys.argv[2], {"step": 1})
+print("deepspeed imported:", "deepspeed" in sys.modules)
+"""
+
+
+def test_a_default_trainer_never_imports_deepspeed(tiny_llama_path: str, tmp_path: Path) -> None:
+    """Building, syncing and checkpointing a default (non-DeepSpeed) trainer leaves DeepSpeed unimported,
+    so a default run does not print its accelerator warning (a fresh interpreter: this one may hold it)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        import pytest
+
+        pytest.skip("deepspeed is not installed: nothing could import it")
+    done = subprocess.run(
+        [sys.executable, "-c", DEFAULT_RUN_WITHOUT_DEEPSPEED, tiny_llama_path, str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    assert "deepspeed imported: False" in done.stdout, done.stdout + done.stderr
+    assert "real_accelerator" not in done.stderr  # DeepSpeed's "Setting accelerator to CPU" warning
+    assert (tmp_path / "ckpt" / "model" / "config.json").exists()
