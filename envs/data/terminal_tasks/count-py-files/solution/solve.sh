@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+find /app/src -name '*.py' | wc -l > /app/count.txt

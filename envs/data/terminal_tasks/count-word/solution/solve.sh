@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+grep -ow apple /app/text.txt | wc -l > /app/apples.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+sed -i 's/return a - b/return a + b/' /app/calc.py

@@ -1,0 +1,2 @@
+import sys
+print('Hello, ' + sys.argv[0] + '!')

@@ -1,0 +1,3 @@
+from .core import mean
+
+__all__ = ["mean"]

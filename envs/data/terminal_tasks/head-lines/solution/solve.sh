@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+head -3 /app/app.log > /app/head.txt

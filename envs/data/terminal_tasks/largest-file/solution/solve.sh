@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+ls -S /app/files | head -1 > /app/largest.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+chmod +x /app/run.sh

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+cd /app/docs && for f in *.txt; do mv "$f" "${f%.txt}.md"; done

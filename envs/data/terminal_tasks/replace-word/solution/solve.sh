@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+sed -i 's/^debug=false$/debug=true/' /app/config.ini

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+tac /app/input.txt > /app/reversed.txt

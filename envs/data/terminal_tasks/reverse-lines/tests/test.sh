@@ -1,0 +1,8 @@
+#!/bin/bash
+# Writes 1 to the reward file when the task is done, else 0.
+mkdir -p /logs/verifier
+if diff <(printf "four\nthree\ntwo\none\n") /app/reversed.txt; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
