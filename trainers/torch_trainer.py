@@ -453,6 +453,26 @@ class TorchTrainer:
             source_device=source_device,
         )
 
+    def lora_policy_for_engine(self) -> nn.Module | None:
+        """The LoRA policy whose frozen base an hf engine in this process may sample with, else None
+        (full fine-tuning, several processes); see `agentrl.engines.hf_shared`."""
+        from agentrl.trainers.adapter_sync import shareable_policy
+
+        return shareable_policy(self)
+
+    def adapter_for_engines(self, *, bucket_mb: float | None = None) -> NamedTensorBuckets:
+        """The LoRA adapters alone (unmerged, inner HF names): the sync of an engine that shares the base."""
+        from agentrl.trainers.adapter_sync import adapter_source
+
+        return adapter_source(self, bucket_mb=bucket_mb)
+
+    def memory_stats(self) -> dict[str, float]:
+        """The trainer's own share of the process's memory (`memory/trainer/<key>`, MiB; `trainers.memory`)."""
+        from agentrl.trainers.memory import trainer_memory_mb
+
+        critic = getattr(self.critic, "model", None) if self.critic is not None else None
+        return trainer_memory_mb([self.model, self.reference, critic], self.optimizer)
+
     @property
     def partitioned(self) -> bool:
         """ZeRO-3: the weights are partitions; reading them whole is a collective, bucket by bucket."""

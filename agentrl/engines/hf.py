@@ -78,6 +78,12 @@ class HFEngine:
             description="torch intra-op threads of the engine's worker thread (0 = torch's default); on a "
             "CPU shared with the trainer fewer threads can avoid oversubscription (measure: docs/rollout.md)",
         )
+        share_trainer_base: bool = Field(
+            default=True,
+            description="beside a LoRA trainer in this process: sample with the trainer's own frozen base "
+            "weights and a copy of its adapter (one copy of the base; a sync sends the adapter alone, "
+            "agentrl.engines.hf_shared); False keeps a model of its own and takes merged weights",
+        )
 
     def __init__(self, config: HFEngine.Config | None = None, *, model: Any = None, tokenizer: Any = None) -> None:
         self.config = cfg = config if config is not None else self.Config()
@@ -117,6 +123,9 @@ class HFEngine:
         self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.prefix_hits = 0  # admitted requests with a cache hit
         self.admitted = 0
+        self.weights_wanted = "full"  # "adapter" once it shares the trainer's base (share_base_with)
+        self.shared_storages: frozenset[int] = frozenset()  # tensors that are the trainer's, not its own
+        self._kv_cache: Any = None  # the running batch's KV, for memory_stats (set by the worker)
 
     @classmethod
     def from_config(cls, config: HFEngine.Config | dict[str, Any], *, tokenizer: Any = None) -> HFEngine:
@@ -229,6 +238,7 @@ class HFEngine:
                 for req in failed:
                     resolve(req, e)
             self._busy_s += time.monotonic() - started
+            self._kv_cache = batch.cache if batch is not None else None
             with self._cv:
                 self._running = len(batch.rows) if batch else 0
         self._prefix.clear()
@@ -457,6 +467,22 @@ class HFEngine:
             "prefix_cache_hit_share": self.prefix_hit_tokens / prompt if prompt else 0.0,
             "prefix_cache_tokens": float(self._prefix.tokens),
         }
+
+    def share_base_with(self, trainer: object) -> bool:
+        """Before the first request: sample with `trainer`'s frozen LoRA base (one copy of the base
+        weights in the process); True when it does. See `agentrl.engines.hf_shared.adopt_trainer_base`."""
+        from agentrl.engines.hf_shared import adopt_trainer_base
+
+        return adopt_trainer_base(self, trainer)
+
+    def memory_stats(self) -> dict[str, float]:
+        """The engine's own share of the process's memory (`memory/engine/<key>`, MiB; `hf_memory`)."""
+        from agentrl.engines.hf_memory import engine_memory_mb
+
+        for _ in range(3):  # the worker may change the prefix store while it is read: read again
+            with contextlib.suppress(RuntimeError):
+                return engine_memory_mb(self.model, self._prefix, self._kv_cache, self.shared_storages)
+        return {}
 
     def busy_fraction(self) -> float:
         wall = time.monotonic() - self._t0

@@ -93,6 +93,9 @@ def build_parts(config: RunConfig) -> Parts:
     except BaseException:
         _close_trainer(trainer)
         raise
+    share = getattr(engine, "share_base_with", None)  # hf engine + LoRA trainer in one process: one base copy
+    if callable(share):
+        share(trainer)
     return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer, resources)
 
 
@@ -161,8 +164,11 @@ async def sync_weights(engine: InferenceEngine, trainer: Trainer) -> dict[str, f
     otherwise keep sampling old weights under new version tags. Returns
     `time/weight_sync_s`, plus `weight_sync/mb`, `weight_sync/mb_per_s` and
     `weight_sync/buckets` when the weight source counts what it handed out.
+    An engine that shares the trainer's frozen base (`weights_wanted == "adapter"`,
+    agentrl.engines.hf_shared) is handed the adapter alone, unmerged.
     """
-    source = trainer.state_for_engines()
+    adapter = getattr(engine, "weights_wanted", "full") == "adapter"  # it samples with the trainer's own base
+    source = trainer.adapter_for_engines() if adapter else trainer.state_for_engines()  # type: ignore[attr-defined]
     version = int(trainer.policy_version)
     started = time.perf_counter()
     await engine.update_weights(source, version)

@@ -1,0 +1,43 @@
+"""The torch trainer's side of one-copy-of-the-base: which policy an embedded engine may share, and
+the adapter-only weight source a sync then hands over (`agentrl.engines.hf_shared`).
+
+An engine may share the trainer's frozen base only when the trainer is one
+process holding the whole model (no DDP/FSDP/ZeRO wrapper, no sharding) and
+the policy is a peft LoRA model; full fine-tuning changes the base at every
+step and keeps the merged-weights path (`TorchTrainer.state_for_engines`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from agentrl.engines.hf_shared import adapter_named_tensors, is_lora
+from agentrl.weights.buckets import NamedTensorBuckets
+
+if TYPE_CHECKING:
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+
+def shareable_policy(trainer: TorchTrainer) -> nn.Module | None:
+    """The trainer's LoRA policy when an engine in this process may sample with its frozen base, else None."""
+    if trainer.world.size > 1 or trainer.processes.size > 1:
+        return None
+    if trainer.fsdp or trainer.models.zero is not None:
+        return None
+    model = trainer.model
+    return model if is_lora(model) else None
+
+
+def adapter_source(trainer: TorchTrainer, *, bucket_mb: float | None = None) -> NamedTensorBuckets:
+    """The trainable tensors alone (the adapters, under the inner HF model's names), copied per sync."""
+    model = trainer.model
+    if not is_lora(model):
+        raise ValueError("adapter_for_engines needs trainer.lora: without LoRA the whole model changes")
+    return NamedTensorBuckets(
+        lambda: adapter_named_tensors(model),
+        bucket_mb=bucket_mb or trainer.config.weight_bucket_mb,
+        source_device=torch.device(trainer.device).type,
+    )
