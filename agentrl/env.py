@@ -3,7 +3,10 @@
 An episode is `reset(task)` -> initial messages, then `step(assistant message)`
 -> new messages plus reward, `terminated` (the task reached an end state) and
 `truncated` (stopped by a limit, not by the task) exactly as in Gymnasium.
-Each env owns a pydantic `Config`; the registry validates user params into it.
+Each env owns a pydantic config (an `EnvConfig` subclass); the registry
+validates user params into it. `Env` is generic over that config:
+`class MyEnv(Env[MyConfig])` makes `MyConfig` its `Config` and types
+`self.config` as `MyConfig`; a plain `Env` subclass means `Env[EnvConfig]`.
 """
 
 from __future__ import annotations
@@ -11,9 +14,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Generic,
+    Protocol,
+    cast,
+    get_args,
+    get_origin,
+    runtime_checkable,
+)
 
 from pydantic import BaseModel, ConfigDict
+from typing_extensions import TypeVar
 
 from agentrl.types import JSON, Message, Trajectory
 
@@ -28,6 +42,10 @@ class EnvConfig(BaseModel):
     """Base of every env's own config: unknown keys are errors, never ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+ConfigT = TypeVar("ConfigT", bound=EnvConfig, default=EnvConfig)
+"""An env's config type: `Env[ConfigT]`; unparameterised `Env` means `Env[EnvConfig]`."""
 
 
 MIX_MEMBER_KEY = "_env"
@@ -84,21 +102,43 @@ class EpisodeDriver(Protocol):
     ) -> list[Trajectory]: ...
 
 
-class Env(ABC):
+class Env(ABC, Generic[ConfigT]):
     """A multi-turn environment the policy talks to.
 
-    Subclasses set `Config` to their own `EnvConfig` subclass, implement
-    `tasks`, `reset` and `step`, and may override `parse_action` (how model text
-    becomes a message) and `close`.
+    Subclasses name their own `EnvConfig` subclass as the type argument
+    (`class MyEnv(Env[MyConfig])`): it becomes the class's `Config` (the model
+    the registry validates user params with) and the type of `self.config`.
+    They implement `tasks`, `reset` and `step`, and may override `parse_action`
+    (how model text becomes a message) and `close`. A subclass of plain `Env`
+    that sets `Config = MyConfig` itself (the older plugin style) works too.
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Config: ClassVar[type[EnvConfig]] = EnvConfig
     tools: Sequence[Tool] = ()
+    config: ConfigT
 
-    def __init__(self, config: EnvConfig | None = None) -> None:
-        self.config = config if config is not None else self.Config()
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        named = _config_argument(cls)
+        if named is None:
+            return
+        if "Config" not in cls.__dict__:
+            cls.Config = named
+        elif not issubclass(cls.Config, named):
+            raise TypeError(
+                f"{cls.__name__}.Config is {cls.Config.__name__}, which is not a subclass of its type argument "
+                f"{named.__name__}: drop the Config line (the argument sets it) or make the two agree"
+            )
+
+    def __init__(self, config: ConfigT | None = None) -> None:
+        self.config = config if config is not None else self._default_config()
+
+    def _default_config(self) -> ConfigT:
+        """This env's config with every default (`Config()`); subclasses that need it before `__init__` call it."""
+        # `Config` is the model named by the type argument (`__init_subclass__`), so its instance is a ConfigT
+        return cast(ConfigT, self.Config())
 
     @abstractmethod
     def tasks(self, split: str = "train") -> Iterable[Task]:
@@ -150,3 +190,14 @@ class Env(ABC):
     async def close(self) -> None:
         """Release resources (sandboxes, files). Safe to call twice."""
         return None
+
+
+def _config_argument(cls: type) -> type[EnvConfig] | None:
+    """The config class `cls` names as its `Env[...]` type argument, if it names a concrete one."""
+    for base in cls.__dict__.get("__orig_bases__", ()):
+        origin = get_origin(base)
+        if isinstance(origin, type) and issubclass(origin, Env):
+            for arg in get_args(base):
+                if isinstance(arg, type) and issubclass(arg, EnvConfig):
+                    return arg
+    return None

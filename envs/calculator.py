@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from agentrl.env import EnvConfig, Task
+from agentrl.env import Task
 from agentrl.envkit.rewards import RewardResult
 from agentrl.envkit.tool_env import ToolEnv, ToolEnvConfig
 from agentrl.tools import tool
@@ -334,19 +334,17 @@ def has_answer_format(text: str) -> bool:
 # --------------------------------------------------------------------------- the env
 
 
-class CalculatorEnv(ToolEnv):
+class CalculatorEnv(ToolEnv[CalculatorConfig]):
     """Arithmetic word problems with a calculator tool; reward 1 for the right final answer."""
 
     name: ClassVar[str] = "calculator"
     description: ClassVar[str] = (
         "Arithmetic word problems with a calculator tool; reward 1 for the right answer"
     )
-    Config: ClassVar[type[EnvConfig]] = CalculatorConfig
     tools = (CALCULATOR,)
 
     def __init__(self, config: CalculatorConfig | None = None) -> None:
         super().__init__(config)
-        self.cfg: CalculatorConfig = self.config  # type: ignore[assignment]
         self._splits: dict[str, list[Task]] | None = None
         self._demos: list[list[Message]] | None = None
 
@@ -362,19 +360,19 @@ class CalculatorEnv(ToolEnv):
         if self._splits is None:
             seen: set[str] = set()
             self._splits = {}
-            for split, size in (("train", self.cfg.n_train), ("test", self.cfg.n_test)):
-                rng = random.Random(f"calculator:{self.cfg.seed}:{split}")
+            for split, size in (("train", self.config.n_train), ("test", self.config.n_test)):
+                rng = random.Random(f"calculator:{self.config.seed}:{split}")
                 tasks: list[Task] = []
                 attempts = 0
                 while len(tasks) < size:
                     attempts += 1
                     if attempts > 50 * size + 1000:
                         raise ValueError(
-                            f"calculator: cannot make {size} distinct {split} problems with digits={self.cfg.digits}, "
-                            f"num_operands={self.cfg.num_operands}, operators={self.cfg.operators}; "
+                            f"calculator: cannot make {size} distinct {split} problems with digits={self.config.digits}, "
+                            f"num_operands={self.config.num_operands}, operators={self.config.operators}; "
                             "lower n_train/n_test or raise digits/num_operands"
                         )
-                    problem = generate_problem(rng, self.cfg)
+                    problem = generate_problem(rng, self.config)
                     if problem.expression in seen:
                         continue
                     seen.add(problem.expression)
@@ -398,14 +396,14 @@ class CalculatorEnv(ToolEnv):
         return [list(d) for d in self._demos]
 
     def _make_demonstrations(self) -> list[list[Message]]:
-        rng = random.Random(f"calculator:{self.cfg.seed}:demonstrations")
+        rng = random.Random(f"calculator:{self.config.seed}:demonstrations")
         demos = []
-        for i in range(max(self.cfg.few_shot, 2) + 1):
-            problem = generate_problem(rng, self.cfg)
+        for i in range(max(self.config.few_shot, 2) + 1):
+            problem = generate_problem(rng, self.config)
             call = ToolCall("calculator", {"expression": problem.expression}, id=f"demo-{i}")
             demos.append(
                 [
-                    Message("system", self.cfg.system_prompt),
+                    Message("system", self.config.system_prompt),
                     Message("user", problem.question),
                     Message("assistant", "", tool_calls=[call]),
                     Message("tool", calculator(problem.expression), tool_call_id=call.id, name="calculator"),
@@ -415,8 +413,8 @@ class CalculatorEnv(ToolEnv):
         return demos
 
     def initial_messages(self, task: Task) -> list[Message]:
-        messages = [Message("system", self.cfg.system_prompt)]
-        shots = [d for d in self.demonstrations() if d[1].content != task["prompt"]][: self.cfg.few_shot]
+        messages = [Message("system", self.config.system_prompt)]
+        shots = [d for d in self.demonstrations() if d[1].content != task["prompt"]][: self.config.few_shot]
         for demo in shots:
             messages.extend(demo[1:])
         messages.append(Message("user", str(task["prompt"])))
@@ -432,7 +430,7 @@ class CalculatorEnv(ToolEnv):
         correct = answer is not None and math.isclose(answer, float(task["answer"]), abs_tol=1e-6)
         formatted = has_answer_format(final)
         used_tool = any(m.role == "tool" and not m.content.startswith("Error") for m in episode)
-        value = float(correct) + self.cfg.format_bonus * formatted + self.cfg.tool_bonus * used_tool
+        value = float(correct) + self.config.format_bonus * formatted + self.config.tool_bonus * used_tool
         return RewardResult(
             value=value,
             breakdown={"correct": float(correct), "format": float(formatted), "used_tool": float(used_tool)},

@@ -112,23 +112,21 @@ def extract_program(text: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-class CodeEnv(Env):
+class CodeEnv(Env[CodeConfig]):
     """Programming problems graded by hidden tests in a sandbox, with feedback and retries."""
 
     name: ClassVar[str] = "code"
     description: ClassVar[str] = "Write a program, see failing examples, retry; reward = hidden tests passed"
-    Config: ClassVar[type[EnvConfig]] = CodeConfig
 
     def __init__(
         self,
-        config: EnvConfig | None = None,
+        config: CodeConfig | None = None,
         *,
         sandbox: Any = None,
         plugins: Any = None,
         resources: RunResources | None = None,
     ) -> None:
         super().__init__(config)
-        self.cfg: CodeConfig = self.config  # type: ignore[assignment]
         self._sandbox = sandbox  # given: used as it is; else the run's shared one, fetched on first use
         self._plugins = plugins
         self.resources, self._owns_resources = run_resources(resources)
@@ -138,7 +136,7 @@ class CodeEnv(Env):
 
     def problems(self) -> dict[str, dict[str, Any]]:
         if self._problems is None:
-            self._problems = {p["id"]: p for p in load_problems(self.cfg.problems_path)}
+            self._problems = {p["id"]: p for p in load_problems(self.config.problems_path)}
         return self._problems
 
     def tasks(self, split: str = "train") -> Iterable[Task]:
@@ -178,7 +176,7 @@ class CodeEnv(Env):
         if self._problem is None:
             raise RuntimeError("step() called before reset()")
         self._attempts += 1
-        last = self._attempts >= self.cfg.max_attempts
+        last = self._attempts >= self.config.max_attempts
         program = extract_program(action.content)
         if program is None:
             if last:
@@ -206,17 +204,17 @@ class CodeEnv(Env):
 
     def feedback(self, outcomes: Sequence[TestOutcome]) -> str:
         assert self._problem is not None
-        cap = self.cfg.max_shown_chars
+        cap = self.config.max_shown_chars
         tests = self._problem["public_tests"]
         failed = [(t, o) for t, o in zip(tests, outcomes, strict=True) if not o.passed]
         parts = [f"{len(failed)} of {len(tests)} examples failed."]
-        for test, outcome in failed[: self.cfg.max_failures_shown]:
+        for test, outcome in failed[: self.config.max_failures_shown]:
             part = f"Input:\n{_cap(test['stdin'], cap)}\nExpected:\n{_cap(test['stdout'], cap)}\n"
             part += f"Got ({outcome.status}):\n{_cap(outcome.stdout, cap)}"
             if outcome.stderr.strip():
                 part += f"\nError:\n{_cap(outcome.stderr, cap, keep='end')}"
             parts.append(part)
-        attempts_left = self.cfg.max_attempts - self._attempts
+        attempts_left = self.config.max_attempts - self._attempts
         parts.append(f"Fix the program and send it again ({attempts_left} attempt(s) left).")
         return "\n\n".join(parts)
 
@@ -230,11 +228,11 @@ class CodeEnv(Env):
             request = ExecRequest(
                 code=program,
                 stdin=test["stdin"],
-                wall_timeout_s=self.cfg.test_timeout_s,
-                memory_mb=self.cfg.memory_mb,
+                wall_timeout_s=self.config.test_timeout_s,
+                memory_mb=self.config.memory_mb,
                 max_output_bytes=64 * 1024,
             )
-            result = await asyncio.wait_for(sandbox.run(request), self.cfg.test_timeout_s + 30)
+            result = await asyncio.wait_for(sandbox.run(request), self.config.test_timeout_s + 30)
             if result.status == "sandbox_error":
                 raise SandboxFailure(f"sandbox failed: {result.message}")  # infrastructure, not the model
             passed = result.status == "ok" and outputs_match(test["stdout"], result.stdout)
@@ -244,7 +242,7 @@ class CodeEnv(Env):
 
     async def sandbox(self) -> Any:
         """The given sandbox, else the run's shared one for `config.sandbox`."""
-        return self._sandbox or shared_sandbox(self.cfg.sandbox, self._plugins, self.resources)
+        return self._sandbox or shared_sandbox(self.config.sandbox, self._plugins, self.resources)
 
     async def close(self) -> None:
         if self._owns_resources:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentrl.env import EnvConfig, Task
+from agentrl.env import Task
 from agentrl.run.resources import RunResources
 from agentrl.types import JSON, Message
 
@@ -84,12 +84,11 @@ class DatasetConfig(ToolCapableConfig):
         return self
 
 
-class DatasetEnv(ToolCapableEnv):
+class DatasetEnv(ToolCapableEnv[DatasetConfig]):
     """Rows of a dataset as tasks; the reply is scored by the configured reward plugins."""
 
     name: ClassVar[str] = "dataset"
     description: ClassVar[str] = "Tasks from an HF dataset or local JSONL/Parquet, scored by chosen verifiers"
-    Config: ClassVar[type[EnvConfig]] = DatasetConfig
 
     def __init__(
         self,
@@ -100,7 +99,6 @@ class DatasetEnv(ToolCapableEnv):
         resources: RunResources | None = None,
     ) -> None:
         super().__init__(config, rewards=rewards, plugins=plugins, resources=resources)
-        self.cfg: DatasetConfig = self.config  # type: ignore[assignment]
         self._tasks: dict[str, list[Task]] = {}
 
     # -- tasks --------------------------------------------------------------
@@ -113,28 +111,28 @@ class DatasetEnv(ToolCapableEnv):
         return iter(self._tasks[split])
 
     def _load_split(self, split: str) -> list[Task]:
-        if self.cfg.test_source is not None:
-            source = self.cfg.source if split == "train" else self.cfg.test_source
+        if self.config.test_source is not None:
+            source = self.config.source if split == "train" else self.config.test_source
             tasks = self._to_tasks(read_rows(source), split)
         else:
-            tasks = [t for t in self._to_tasks(read_rows(self.cfg.source), split) if _split_of(t["id"], self.cfg.test_fraction) == split]
-        return tasks[: self.cfg.max_tasks] if self.cfg.max_tasks else tasks
+            tasks = [t for t in self._to_tasks(read_rows(self.config.source), split) if _split_of(t["id"], self.config.test_fraction) == split]
+        return tasks[: self.config.max_tasks] if self.config.max_tasks else tasks
 
     def _to_tasks(self, rows: Iterable[dict[str, Any]], split: str) -> list[Task]:
         out: list[Task] = []
         seen: set[str] = set()
         for n, row in enumerate(rows):
             task: Task = {}
-            for field, column in self.cfg.columns.items():
+            for field, column in self.config.columns.items():
                 if column not in row:
                     raise ValueError(
                         f"columns.{field}={column!r}: row {n} has no such column (it has: {sorted(row)})"
                     )
                 task[field] = _jsonable(row[column])
-            if self.cfg.id_column is not None:
-                if self.cfg.id_column not in row:
-                    raise ValueError(f"id_column={self.cfg.id_column!r}: row {n} has no such column")
-                task_id = str(row[self.cfg.id_column])
+            if self.config.id_column is not None:
+                if self.config.id_column not in row:
+                    raise ValueError(f"id_column={self.config.id_column!r}: row {n} has no such column")
+                task_id = str(row[self.config.id_column])
             else:
                 task_id = hashlib.sha1(json.dumps(task, sort_keys=True).encode()).hexdigest()[:16]
             if task_id in seen:  # an exact duplicate row (or a repeated id): keep the first
@@ -142,7 +140,7 @@ class DatasetEnv(ToolCapableEnv):
             seen.add(task_id)
             task["id"] = task_id
             task["split"] = split
-            task["prompt"] = self.cfg.prompt_template.format(**task)
+            task["prompt"] = self.config.prompt_template.format(**task)
             out.append(task)
         return out
 
@@ -152,8 +150,8 @@ class DatasetEnv(ToolCapableEnv):
         if "prompt" not in task:
             raise ValueError(f"dataset task needs a 'prompt' field, got keys {sorted(task)}")
         messages = [Message(role="user", content=str(task["prompt"]))]
-        if self.cfg.system_prompt is not None:
-            messages.insert(0, Message(role="system", content=self.cfg.system_prompt))
+        if self.config.system_prompt is not None:
+            messages.insert(0, Message(role="system", content=self.config.system_prompt))
         return messages
 
 

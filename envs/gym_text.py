@@ -97,16 +97,14 @@ class GymTextConfig(EnvConfig):
     )
 
 
-class GymTextEnv(Env):
+class GymTextEnv(Env[GymTextConfig]):
     """A toy-text Gymnasium game as a multi-turn chat env."""
 
     name: ClassVar[str] = "gym_text"
     description: ClassVar[str] = "FrozenLake, Taxi or Blackjack as text; actions parsed from the reply"
-    Config: ClassVar[type[EnvConfig]] = GymTextConfig
 
-    def __init__(self, config: EnvConfig | None = None) -> None:
+    def __init__(self, config: GymTextConfig | None = None) -> None:
         super().__init__(config)
-        self.cfg: GymTextConfig = self.config  # type: ignore[assignment]
         self._game: Any = None
         self._obs: Any = None
         self._steps = 0
@@ -115,33 +113,33 @@ class GymTextEnv(Env):
 
     @property
     def actions(self) -> tuple[str, ...]:
-        return ACTIONS[self.cfg.game]
+        return ACTIONS[self.config.game]
 
     def tasks(self, split: str = "train") -> Iterable[Task]:
         if split not in _SPLIT_OFFSET:
             raise ValueError(f"split={split!r} is not a split of gym_text (allowed: train, test)")
-        size = self.cfg.train_size if split == "train" else self.cfg.test_size
-        base = self.cfg.seed * 1_000_000 + _SPLIT_OFFSET[split]
+        size = self.config.train_size if split == "train" else self.config.test_size
+        base = self.config.seed * 1_000_000 + _SPLIT_OFFSET[split]
         for i in range(size):
-            yield {"id": f"{self.cfg.game}/{split}/{base + i}", "game": self.cfg.game, "seed": base + i}
+            yield {"id": f"{self.config.game}/{split}/{base + i}", "game": self.config.game, "seed": base + i}
 
     def _make(self, task_seed: int) -> Any:
         import gymnasium as gym
 
-        params = dict(self.cfg.game_params)
-        if self.cfg.game == "frozenlake":
+        params = dict(self.config.game_params)
+        if self.config.game == "frozenlake":
             from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
             params.setdefault("is_slippery", False)
-            params.setdefault("desc", generate_random_map(self.cfg.map_size, self.cfg.frozen_prob, task_seed))
+            params.setdefault("desc", generate_random_map(self.config.map_size, self.config.frozen_prob, task_seed))
             return gym.make("FrozenLake-v1", **params)
-        if self.cfg.game == "taxi":
+        if self.config.game == "taxi":
             return gym.make("Taxi-v4", **params)
         return gym.make("Blackjack-v1", **params)
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
-        if task.get("game", self.cfg.game) != self.cfg.game:
-            raise ValueError(f"task {task.get('id')!r} is for game {task['game']!r}, env plays {self.cfg.game!r}")
+        if task.get("game", self.config.game) != self.config.game:
+            raise ValueError(f"task {task.get('id')!r} is for game {task['game']!r}, env plays {self.config.game!r}")
         task_seed = int(task["seed"])
         if self._game is not None:
             self._game.close()
@@ -154,14 +152,14 @@ class GymTextEnv(Env):
         self._steps = 0
         self._invalid = 0
         self._return = 0.0
-        if self.cfg.game == "frozenlake" and self.cfg.few_shot:
-            shots = [m for demo in self._solved_games(self.cfg.few_shot) for m in demo]
-            return [*shots, Message(role="user", content="New board.\n" + self.render())], {"game": self.cfg.game}
-        return [Message(role="user", content=self._intro() + self.render())], {"game": self.cfg.game}
+        if self.config.game == "frozenlake" and self.config.few_shot:
+            shots = [m for demo in self._solved_games(self.config.few_shot) for m in demo]
+            return [*shots, Message(role="user", content="New board.\n" + self.render())], {"game": self.config.game}
+        return [Message(role="user", content=self._intro() + self.render())], {"game": self.config.game}
 
     def _intro(self) -> str:
         return (
-            f"{RULES[self.cfg.game]}\nActions: {', '.join(self.actions)}. "
+            f"{RULES[self.config.game]}\nActions: {', '.join(self.actions)}. "
             "Reply with exactly one action as <action>NAME</action>.\n\n"
         )
 
@@ -173,9 +171,9 @@ class GymTextEnv(Env):
         holes. Boards come from the train split only, so held-out boards stay unseen.
         Other games have no demonstrations.
         """
-        if self.cfg.game != "frozenlake":
+        if self.config.game != "frozenlake":
             return []
-        return self._solved_games(self.cfg.demonstrations)
+        return self._solved_games(self.config.demonstrations)
 
     def _solved_games(self, count: int) -> list[list[Message]]:
         """Shortest-path games on the first `count` train boards, as conversations."""
@@ -183,13 +181,13 @@ class GymTextEnv(Env):
 
         demos = []
         for task in list(self.tasks("train"))[:count]:
-            desc = generate_random_map(self.cfg.map_size, self.cfg.frozen_prob, int(task["seed"]))
+            desc = generate_random_map(self.config.map_size, self.config.frozen_prob, int(task["seed"]))
             pos = (0, 0)
-            board = lake_text(desc, pos, neighbours=self.cfg.show_neighbours)
+            board = lake_text(desc, pos, neighbours=self.config.show_neighbours)
             messages = [Message(role="user", content=self._intro() + board)]
-            for move in shortest_lake_path(desc)[: self.cfg.max_steps]:
+            for move in shortest_lake_path(desc)[: self.config.max_steps]:
                 if messages[-1].role == "assistant":
-                    board = lake_text(desc, pos, neighbours=self.cfg.show_neighbours)
+                    board = lake_text(desc, pos, neighbours=self.config.show_neighbours)
                     messages.append(Message(role="user", content=board))
                 messages.append(Message(role="assistant", content=f"<action>{move}</action>"))
                 pos = (pos[0] + _MOVES[move][0], pos[1] + _MOVES[move][1])
@@ -210,13 +208,13 @@ class GymTextEnv(Env):
         if self._game is None:
             raise RuntimeError("render() called before reset()")
         return {"frozenlake": self._render_lake, "taxi": self._render_taxi, "blackjack": self._render_blackjack}[
-            self.cfg.game
+            self.config.game
         ]()
 
     def _render_lake(self) -> str:
         game = self._game.unwrapped
         desc = ["".join(c.decode() for c in row) for row in game.desc]
-        return lake_text(desc, divmod(int(self._obs), game.ncol), neighbours=self.cfg.show_neighbours)
+        return lake_text(desc, divmod(int(self._obs), game.ncol), neighbours=self.config.show_neighbours)
 
     def _render_taxi(self) -> str:
         game = self._game.unwrapped
@@ -251,11 +249,11 @@ class GymTextEnv(Env):
             raise RuntimeError("step() called before reset()")
         self._steps += 1
         choice = self.parse_choice(action.content)
-        out_of_turns = self._steps >= self.cfg.max_steps
+        out_of_turns = self._steps >= self.config.max_steps
         if choice is None:
             self._invalid += 1
-            out_of_turns = out_of_turns or self._invalid > self.cfg.max_invalid_actions
-            reward = self.cfg.invalid_action_penalty
+            out_of_turns = out_of_turns or self._invalid > self.config.max_invalid_actions
+            reward = self.config.invalid_action_penalty
             self._return += reward
             note = f"Invalid action. Choose one of: {', '.join(self.actions)}, as <action>NAME</action>.\n"
             return StepResult(
@@ -264,7 +262,7 @@ class GymTextEnv(Env):
                 truncated=out_of_turns,
                 info={"invalid_action": True, "return": self._return},
                 truncation_reason=(
-                    ("invalid_actions" if self._steps < self.cfg.max_steps else "max_steps") if out_of_turns else None
+                    ("invalid_actions" if self._steps < self.config.max_steps else "max_steps") if out_of_turns else None
                 ),
             )
         self._obs, game_reward, terminated, truncated, _ = self._game.step(self.actions.index(choice))

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from agentrl.env import EnvConfig, Task
+from agentrl.env import Task
 from agentrl.run.resources import RunResources
 from agentrl.tools import Tool, tool
 from agentrl.types import JSON, Message
@@ -68,12 +68,11 @@ class MathConfig(ToolCapableConfig):
         return self
 
 
-class MathEnv(ToolCapableEnv):
+class MathEnv(ToolCapableEnv[MathConfig]):
     """A math problem per episode; `\\boxed{}` answer checked by the configured verifier."""
 
     name: ClassVar[str] = "math"
     description: ClassVar[str] = "Math problems, single-turn or with a sandboxed Python tool; math verifier reward"
-    Config: ClassVar[type[EnvConfig]] = MathConfig
 
     def __init__(
         self,
@@ -87,7 +86,6 @@ class MathEnv(ToolCapableEnv):
         cfg = config if config is not None else MathConfig.model_validate({})
         extra = [self._python_tool(cfg)] if cfg.mode == "tool" else []
         super().__init__(cfg, rewards=rewards, extra_tools=extra, plugins=plugins, resources=resources)
-        self.cfg: MathConfig = cfg
         self._sandbox = sandbox  # given: used as it is; else the run's shared one, fetched on first use
         self._generator: ReasoningGymEnv | None = None
         self._file_tasks: list[Task] | None = None
@@ -109,23 +107,23 @@ class MathEnv(ToolCapableEnv):
     def tasks(self, split: str = "train") -> Iterable[Task]:
         if split not in ("train", "test"):
             raise ValueError(f"split={split!r} is not a split of math (allowed: train, test)")
-        if self.cfg.problems_path is not None:
+        if self.config.problems_path is not None:
             return (t for t in self._load_file() if t["split"] == split)
         if self._generator is None:
             self._generator = ReasoningGymEnv(
                 ReasoningGymConfig(
-                    dataset=self.cfg.dataset, dataset_params=self.cfg.dataset_params, seed=self.cfg.seed,
-                    train_size=self.cfg.train_size, test_size=self.cfg.test_size,
+                    dataset=self.config.dataset, dataset_params=self.config.dataset_params, seed=self.config.seed,
+                    train_size=self.config.train_size, test_size=self.config.test_size,
                 )
             )
         return self._generator.tasks(split)
 
     def _load_file(self) -> list[Task]:
         if self._file_tasks is None:
-            assert self.cfg.problems_path is not None
-            path = Path(self.cfg.problems_path).expanduser()
+            assert self.config.problems_path is not None
+            path = Path(self.config.problems_path).expanduser()
             if not path.is_file():
-                raise FileNotFoundError(f"problems_path={self.cfg.problems_path!r}: no such file")
+                raise FileNotFoundError(f"problems_path={self.config.problems_path!r}: no such file")
             tasks: list[Task] = []
             for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if not line.strip():
@@ -135,7 +133,7 @@ class MathEnv(ToolCapableEnv):
                     raise ValueError(f"{path}:{lineno}: a math problem needs 'question' and 'answer'")
                 task_id = str(row.get("id") or hashlib.sha1(row["question"].encode()).hexdigest()[:16])
                 bucket = int(hashlib.sha1(task_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-                split = "test" if bucket < self.cfg.test_fraction else "train"
+                split = "test" if bucket < self.config.test_fraction else "train"
                 tasks.append({"id": task_id, "split": split, "question": row["question"], "answer": str(row["answer"])})
             self._file_tasks = tasks
         return self._file_tasks
@@ -145,19 +143,19 @@ class MathEnv(ToolCapableEnv):
     def initial_messages(self, task: Task) -> list[Message]:
         if "question" not in task:
             raise ValueError(f"math task needs a 'question', got keys {sorted(task)}")
-        prompt = self.cfg.system_prompt or (TOOL_PROMPT if self.cfg.mode == "tool" else SINGLE_PROMPT)
+        prompt = self.config.system_prompt or (TOOL_PROMPT if self.config.mode == "tool" else SINGLE_PROMPT)
         return [Message(role="system", content=prompt), Message(role="user", content=str(task["question"]))]
 
     async def run_python(self, code: str) -> str:
         """The `python` tool: run `code` in the sandbox, return what a person would see."""
         from agentrl.sandboxes.base import ExecRequest
 
-        sandbox = self._sandbox or shared_sandbox(self.cfg.sandbox, self.plugins, self.resources)
+        sandbox = self._sandbox or shared_sandbox(self.config.sandbox, self.plugins, self.resources)
         result = await sandbox.run(
             ExecRequest(
                 code=code,
-                wall_timeout_s=self.cfg.python_timeout_s,
-                memory_mb=self.cfg.python_memory_mb,
+                wall_timeout_s=self.config.python_timeout_s,
+                memory_mb=self.config.python_memory_mb,
                 max_output_bytes=16 * 1024,
             )
         )

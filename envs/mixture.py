@@ -75,21 +75,19 @@ class MixConfig(EnvConfig):
         return self
 
 
-class MixEnv(Env):
+class MixEnv(Env[MixConfig]):
     """Delegates each episode to the member env its task belongs to."""
 
     name: ClassVar[str] = "mix"
     description: ClassVar[str] = "several envs in one run, tasks drawn by weight; per-env metrics"
-    Config: ClassVar[type[EnvConfig]] = MixConfig
 
     def __init__(
-        self, config: EnvConfig | None = None, *, plugins: Any = None, resources: RunResources | None = None
+        self, config: MixConfig | None = None, *, plugins: Any = None, resources: RunResources | None = None
     ) -> None:
         super().__init__(config)
-        self.cfg: MixConfig = self.config  # type: ignore[assignment]
         self.plugins = resolve_plugins(plugins)
         self.resources, self._owns_resources = run_resources(resources)  # handed to every member
-        self._members = {m.key: m for m in self.cfg.envs}
+        self._members = {m.key: m for m in self.config.envs}
         self._listing: dict[str, Env] = {}  # one env per member for tasks() and demonstrations
         self._current: Env | None = None
         self._label: str | None = None

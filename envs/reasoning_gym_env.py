@@ -75,16 +75,14 @@ class ReasoningGymConfig(EnvConfig):
         return name
 
 
-class ReasoningGymEnv(Env):
+class ReasoningGymEnv(Env[ReasoningGymConfig]):
     """One reasoning-gym question per episode, scored by the dataset's own scorer."""
 
     name: ClassVar[str] = "reasoning_gym"
     description: ClassVar[str] = "Any reasoning-gym dataset by name; reward from its own scorer"
-    Config: ClassVar[type[EnvConfig]] = ReasoningGymConfig
 
-    def __init__(self, config: EnvConfig | None = None) -> None:
+    def __init__(self, config: ReasoningGymConfig | None = None) -> None:
         super().__init__(config)
-        self.cfg: ReasoningGymConfig = self.config  # type: ignore[assignment]
         self._dataset: Any = None
         self._test_indices: list[int] | None = None
         self._task: Task | None = None
@@ -94,25 +92,25 @@ class ReasoningGymEnv(Env):
         if self._dataset is None:
             import reasoning_gym
 
-            size = self.cfg.train_size + self.cfg.test_size
+            size = self.config.train_size + self.config.test_size
             try:
                 self._dataset = reasoning_gym.create_dataset(
-                    self.cfg.dataset, seed=self.cfg.seed, size=size, **self.cfg.dataset_params
+                    self.config.dataset, seed=self.config.seed, size=size, **self.config.dataset_params
                 )
             except TypeError as e:  # unknown dataset_params key
-                raise ValueError(f"dataset_params for {self.cfg.dataset!r}: {e}") from e
+                raise ValueError(f"dataset_params for {self.config.dataset!r}: {e}") from e
         return self._dataset
 
     def _indices(self, split: str) -> list[int]:
         if split == "train":
-            return list(range(self.cfg.train_size))
+            return list(range(self.config.train_size))
         if split == "test":
             if self._test_indices is None:
                 data = self._data()
-                seen = {data[i]["question"] for i in range(self.cfg.train_size)}
-                end = self.cfg.train_size + self.cfg.test_size
+                seen = {data[i]["question"] for i in range(self.config.train_size)}
+                end = self.config.train_size + self.config.test_size
                 self._test_indices = [
-                    i for i in range(self.cfg.train_size, end) if data[i]["question"] not in seen
+                    i for i in range(self.config.train_size, end) if data[i]["question"] not in seen
                 ]
             return self._test_indices
         raise ValueError(f"split={split!r} is not a split of reasoning_gym (allowed: train, test)")
@@ -122,7 +120,7 @@ class ReasoningGymEnv(Env):
         for i in self._indices(split):
             entry = data[i]
             yield {
-                "id": f"{self.cfg.dataset}/s{self.cfg.seed}/{i}",
+                "id": f"{self.config.dataset}/s{self.config.seed}/{i}",
                 "split": split,
                 "index": i,
                 "question": entry["question"],
@@ -134,16 +132,16 @@ class ReasoningGymEnv(Env):
             raise ValueError(f"reasoning_gym task needs 'question' and 'index', got keys {sorted(task)}")
         self._task = task
         messages = [Message(role="user", content=str(task["question"]))]
-        if self.cfg.system_prompt is not None:
-            messages.insert(0, Message(role="system", content=self.cfg.system_prompt))
-        return messages, {"dataset": self.cfg.dataset}
+        if self.config.system_prompt is not None:
+            messages.insert(0, Message(role="system", content=self.config.system_prompt))
+        return messages, {"dataset": self.config.dataset}
 
     async def step(self, action: Message) -> StepResult:
         if self._task is None:
             raise RuntimeError("step() called before reset()")
         from reasoning_gym.utils import extract_answer
 
-        answer = extract_answer(action.content, tag_name=self.cfg.answer_tag)
+        answer = extract_answer(action.content, tag_name=self.config.answer_tag)
         if answer is None:
             return StepResult(messages=[], reward=0.0, terminated=True, info={"format_error": True})
         entry = self._data()[int(self._task["index"])]

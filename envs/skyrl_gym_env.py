@@ -50,16 +50,14 @@ class SkyRLGymConfig(EnvConfig):
     max_tasks: int | None = Field(None, ge=1, description="use only the first N rows of each split")
 
 
-class SkyRLGymEnv(Env):
+class SkyRLGymEnv(Env[SkyRLGymConfig]):
     """One SkyRL-Gym env per episode, made from the episode's dataset row."""
 
     name: ClassVar[str] = "skyrl_gym"
     description: ClassVar[str] = "SkyRL-Gym envs and SkyRL-format datasets (needs skyrl-gym)"
-    Config: ClassVar[type[EnvConfig]] = SkyRLGymConfig
 
-    def __init__(self, config: EnvConfig | None = None) -> None:
+    def __init__(self, config: SkyRLGymConfig | None = None) -> None:
         super().__init__(config)
-        self.cfg: SkyRLGymConfig = self.config  # type: ignore[assignment]
         self._env: Any = None
         self._tasks: dict[str, list[Task]] = {}
 
@@ -67,20 +65,20 @@ class SkyRLGymEnv(Env):
         if split not in _SPLITS:
             raise ValueError(f"split={split!r} is not a split of skyrl_gym (allowed: train, test)")
         if split not in self._tasks:
-            source = self.cfg.train if split == "train" else self.cfg.test
+            source = self.config.train if split == "train" else self.config.test
             self._tasks[split] = self._to_tasks(read_rows(source), split) if source is not None else []
         return iter(self._tasks[split])
 
     def _to_tasks(self, rows: Iterable[dict[str, Any]], split: str) -> list[Task]:
         out: list[Task] = []
         for n, row in enumerate(rows):
-            if self.cfg.max_tasks is not None and n >= self.cfg.max_tasks:
+            if self.config.max_tasks is not None and n >= self.config.max_tasks:
                 break
             task: Task = {str(k): _jsonable(v) for k, v in row.items()}
             if not task.get("env_class"):
-                if self.cfg.env_class is None:
+                if self.config.env_class is None:
                     raise ValueError(f"{split} row {n} has no env_class and env.env_class is not set")
-                task["env_class"] = self.cfg.env_class
+                task["env_class"] = self.config.env_class
             if not isinstance(task.get("prompt"), list):
                 raise ValueError(f"{split} row {n}: prompt must be a list of chat messages, got {type(task.get('prompt')).__name__}")
             extra_info = task.get("extra_info")
@@ -92,12 +90,12 @@ class SkyRLGymEnv(Env):
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
         await self.close()
         skyrl_gym = _import_skyrl_gym()
-        for module in self.cfg.modules:
+        for module in self.config.modules:
             importlib.import_module(module)
         from omegaconf import OmegaConf
 
         extras = {k: v for k, v in task.items() if not k.startswith("_")}
-        self._env = skyrl_gym.make(str(task["env_class"]), env_config=OmegaConf.create(self.cfg.env_config), extras=extras)
+        self._env = skyrl_gym.make(str(task["env_class"]), env_config=OmegaConf.create(self.config.env_config), extras=extras)
         opening, info = await asyncio.to_thread(self._env.init, task["prompt"])
         return _messages(opening), dict(info or {})
 

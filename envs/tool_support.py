@@ -14,11 +14,12 @@ builds one env per episode, the run closes the shared objects at its end.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator
+from typing_extensions import TypeVar
 
-from agentrl.env import Task
+from agentrl.env import EnvConfig, Task
 from agentrl.envkit.rewards import RewardResult
 from agentrl.envkit.tool_env import ToolEnv, ToolEnvConfig
 from agentrl.registry import check_named_plugin
@@ -59,22 +60,25 @@ def resolve_plugins(plugins: Any) -> Any:
     return Plugins.discover()
 
 
-class ToolCapableEnv(ToolEnv):
+CapableConfigT = TypeVar("CapableConfigT", bound=ToolCapableConfig, default=ToolCapableConfig)
+"""The config type of a `ToolCapableEnv[CapableConfigT]`."""
+
+
+class ToolCapableEnv(ToolEnv[CapableConfigT]):
     """A ToolEnv whose tools come from plugin names and whose reward from reward specs."""
 
-    config: ToolCapableConfig
+    Config: ClassVar[type[EnvConfig]] = ToolCapableConfig
 
     def __init__(
         self,
-        config: ToolCapableConfig | None = None,
+        config: CapableConfigT | None = None,
         *,
         rewards: Sequence[NamedReward] | None = None,
         extra_tools: Sequence[Tool] = (),
         plugins: Any = None,
         resources: RunResources | None = None,
     ) -> None:
-        cfg = config if config is not None else self.Config.model_validate({})
-        assert isinstance(cfg, ToolCapableConfig)
+        cfg = config if config is not None else self._default_config()
         self.plugins = plugins
         self.resources, self._owns_resources = run_resources(resources)
         named: list[Tool] = []

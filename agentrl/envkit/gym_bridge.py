@@ -64,17 +64,14 @@ class GymnasiumEnvConfig(EnvConfig):
     invalid_action_reward: float = Field(0.0, description="reward of a reply that names no valid action (0 or a penalty)")
 
 
-class GymnasiumEnv(Env):
+class GymnasiumEnv(Env[GymnasiumEnvConfig]):
     """Plays a Gymnasium env with text or discrete spaces in chat."""
 
     name: ClassVar[str] = "gymnasium"
     description: ClassVar[str] = "Any Gymnasium env with Text/Discrete spaces, played as text."
-    Config: ClassVar[type[EnvConfig]] = GymnasiumEnvConfig
 
-    def __init__(self, config: EnvConfig | None = None) -> None:
+    def __init__(self, config: GymnasiumEnvConfig | None = None) -> None:
         super().__init__(config)
-        assert isinstance(self.config, GymnasiumEnvConfig)
-        self.cfg: GymnasiumEnvConfig = self.config
         self._gym: Any = None
         self._ansi = False
         self._invalid = 0
@@ -86,16 +83,16 @@ class GymnasiumEnv(Env):
         import gymnasium
         from gymnasium.envs.registration import load_env_creator
 
-        spec = gymnasium.spec(self.cfg.gym_id)
+        spec = gymnasium.spec(self.config.gym_id)
         creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
         render_modes = getattr(creator, "metadata", {}).get("render_modes", [])
-        self._ansi = self.cfg.observation != "value" and "ansi" in render_modes
-        if self.cfg.observation == "ansi" and not self._ansi:
-            raise ValueError(f"env.observation='ansi' but {self.cfg.gym_id!r} renders only {render_modes}")
-        kwargs: dict[str, Any] = dict(self.cfg.make_kwargs)
+        self._ansi = self.config.observation != "value" and "ansi" in render_modes
+        if self.config.observation == "ansi" and not self._ansi:
+            raise ValueError(f"env.observation='ansi' but {self.config.gym_id!r} renders only {render_modes}")
+        kwargs: dict[str, Any] = dict(self.config.make_kwargs)
         if self._ansi:
             kwargs["render_mode"] = "ansi"
-        return gymnasium.make(self.cfg.gym_id, **kwargs)
+        return gymnasium.make(self.config.gym_id, **kwargs)
 
     def format_observation(self, observation: Any, info: dict[str, Any]) -> str:
         """Observation -> text: Text as is, the ansi rendering, else `str(observation)`."""
@@ -103,7 +100,7 @@ class GymnasiumEnv(Env):
 
         if isinstance(self.gym.observation_space, Text) and isinstance(observation, str):
             return observation
-        if self._ansi and self.cfg.observation != "value":
+        if self._ansi and self.config.observation != "value":
             rendered = self.gym.render()
             if isinstance(rendered, str) and rendered.strip():
                 return strip_ansi(rendered).strip("\n")
@@ -116,8 +113,8 @@ class GymnasiumEnv(Env):
         space = self.gym.action_space
         if isinstance(space, Discrete):
             start, n = int(space.start), int(space.n)
-            if self.cfg.action_names:
-                choices = ", ".join(f"{name} ({start + i})" for i, name in enumerate(self.cfg.action_names))
+            if self.config.action_names:
+                choices = ", ".join(f"{name} ({start + i})" for i, name in enumerate(self.config.action_names))
             else:
                 choices = ", ".join(str(start + i) for i in range(n))
             return f"Actions: {choices}. Reply with <action>ACTION</action>."
@@ -143,7 +140,7 @@ class GymnasiumEnv(Env):
 
     def _discrete(self, word: str, space: Any) -> int | None:
         word = word.strip().strip(".!\"'`").lower()
-        names = [n.lower() for n in self.cfg.action_names or []]
+        names = [n.lower() for n in self.config.action_names or []]
         start, n = int(space.start), int(space.n)
         if word in names:
             return start + names.index(word)
@@ -162,20 +159,20 @@ class GymnasiumEnv(Env):
             space = self._gym.action_space
             if not isinstance(space, Text | Discrete):
                 raise ValueError(
-                    f"gymnasium env {self.cfg.gym_id!r} has action space {space}; "
+                    f"gymnasium env {self.config.gym_id!r} has action space {space}; "
                     "GymnasiumEnv supports Text or Discrete action spaces"
                 )
-            names = self.cfg.action_names
+            names = self.config.action_names
             if isinstance(space, Discrete) and names is not None and len(names) != int(space.n):
-                raise ValueError(f"env.action_names has {len(names)} names but {self.cfg.gym_id!r} has {space.n} actions")
+                raise ValueError(f"env.action_names has {len(names)} names but {self.config.gym_id!r} has {space.n} actions")
         return self._gym
 
     def tasks(self, split: str = "train") -> Iterable[Task]:
-        offsets = {"train": 0, "test": self.cfg.test_offset}
+        offsets = {"train": 0, "test": self.config.test_offset}
         if split not in offsets:
             raise ValueError(f"unknown split {split!r}; allowed: {', '.join(offsets)}")
         first = offsets[split]
-        return ({"id": f"{self.cfg.gym_id}/seed-{s}", "seed": s} for s in range(first, first + self.cfg.num_tasks))
+        return ({"id": f"{self.config.gym_id}/seed-{s}", "seed": s} for s in range(first, first + self.config.num_tasks))
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:
         import numpy as np
@@ -185,7 +182,7 @@ class GymnasiumEnv(Env):
         if seed is not None:  # the sample seed varies the dynamics, reproducibly
             self.gym.unwrapped.np_random = np.random.default_rng([task_seed, seed])
         self._invalid = 0
-        messages = [Message(role="system", content=self.cfg.instructions)] if self.cfg.instructions else []
+        messages = [Message(role="system", content=self.config.instructions)] if self.config.instructions else []
         messages.append(Message(role="user", content=self._observation_text(observation, info)))
         return messages, {"gym_info": _jsonable(info)}
 
@@ -195,8 +192,8 @@ class GymnasiumEnv(Env):
             self._invalid += 1
             return StepResult(
                 messages=[Message(role="user", content=f"Invalid action. {self.action_help()}")],
-                reward=self.cfg.invalid_action_reward,
-                truncated=self._invalid > self.cfg.max_invalid_actions,
+                reward=self.config.invalid_action_reward,
+                truncated=self._invalid > self.config.max_invalid_actions,
                 info={"invalid_action": True},
             )
         observation, reward, terminated, truncated, info = self.gym.step(gym_action)

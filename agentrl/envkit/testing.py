@@ -26,13 +26,11 @@ class TrivialEnvConfig(EnvConfig):
     seed: int = Field(default=0, description="seed of the step-latency sampler (an episode seed reseeds it)")
 
 
-class TrivialEnv(Env):
+class TrivialEnv(Env[TrivialEnvConfig]):
     """Replies "ok" to every turn; terminates after `turns` turns with reward 1.0."""
 
     name: ClassVar[str] = "trivial"
     description: ClassVar[str] = "a fixed number of turns, constant reward: for measuring the rollout loop"
-    Config = TrivialEnvConfig
-    config: TrivialEnvConfig
 
     def __init__(self, config: TrivialEnvConfig | None = None) -> None:
         super().__init__(config)

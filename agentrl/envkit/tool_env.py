@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from pydantic import Field
+from typing_extensions import TypeVar
 
 from agentrl.chat.tool_parsers import ToolCallParser, get_parser
 from agentrl.env import Env, EnvConfig, StepResult, Task
@@ -44,15 +45,21 @@ class ToolEnvConfig(EnvConfig):
     )
 
 
-class ToolEnv(Env):
-    """Multi-turn tool use: run the calls of each reply, end on a reply without calls."""
+ToolConfigT = TypeVar("ToolConfigT", bound=ToolEnvConfig, default=ToolEnvConfig)
+"""A tool env's config type: `ToolEnv[ToolConfigT]` (plain `ToolEnv`: `ToolEnv[ToolEnvConfig]`)."""
+
+
+class ToolEnv(Env[ToolConfigT]):
+    """Multi-turn tool use: run the calls of each reply, end on a reply without calls.
+
+    Generic over its config like `Env`: `class MyEnv(ToolEnv[MyConfig])`.
+    """
 
     Config: ClassVar[type[EnvConfig]] = ToolEnvConfig
-    config: ToolEnvConfig
 
     def __init__(
         self,
-        config: ToolEnvConfig | None = None,
+        config: ToolConfigT | None = None,
         *,
         tools: Sequence[Tool | Callable[..., Any]] | None = None,
         parser: ToolCallParser | None = None,
