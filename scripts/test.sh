@@ -6,9 +6,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --system --vllm
 # shellcheck disable=SC1091
 . .venv/bin/activate
-if [ -f .ci/services.env ]; then
-  # written by .ci/setup_system.sh: DOCKER_HOST etc.
-  set -a; . .ci/services.env; set +a
+services_env=/run/agentrl/docker.env
+if [ -f "$services_env" ]; then
+  # written by .ci/setup_sandboxes.sh (run by setup_system.sh): DOCKER_HOST for the docker tests
+  # shellcheck disable=SC1090
+  set -a; . "$services_env"; set +a
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "== ruff"; ruff check .
