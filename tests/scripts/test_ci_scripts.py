@@ -27,7 +27,7 @@ def _sourced(script: str) -> list[str]:
     """The files a shell script sources (`. FILE` / `source FILE`), names expanded."""
     names = _assignments(script)
     out = []
-    for found in re.finditer(r"(?:^|[;\s])(?:\.|source)\s+(\"[^\"]+\"|\S+)", script, re.M):
+    for found in re.finditer(r"(?:^|;)[ \t]*(?:\.|source)[ \t]+(\"[^\"]+\"|\S+)", script, re.M):
         target = _expand(shlex.split(found.group(1))[0], names)
         if target != ".venv/bin/activate":
             out.append(target)
