@@ -1,4 +1,5 @@
-"""Tokens/s through the OpenAI-compatible gateway vs the same engine called directly, in one run.
+"""Tokens/s through the gateway, per agent API, vs the same engine called directly, in one run; and the
+gateway's added latency per call.
 
 Workload: `--sessions` concurrent multi-turn chats (`--turns` model turns each,
 `--max-tokens` per reply, temperature 1.0) on the `hf` engine
@@ -12,12 +13,27 @@ alternate (direct, gateway, direct, ...) so a shared machine's load hits both
 alike; each side's tokens/s is the sampled tokens of its rounds over their
 wall time.
 
+Each API is its own side (`--api`, default all three): `chat` (Chat Completions on
+the `openai` SDK), `responses` (the Responses API on the `openai` SDK, the whole
+item list resent), `messages` (the Messages API on the `anthropic` SDK).
+
+*Added latency* (`<api>_added_ms_p50`): the median wall time of one call through
+the gateway, as the agent's SDK sees it, on a scripted engine that answers at once
+with the same 32-token reply (so everything but sampling: the SDK, HTTP, matching
+the history, the chat-template delta, recording the turn), measured after the
+rounds over `--latency-calls` sequential calls per API.
+
+`--constrained` adds the cost of constrained decoding per token: the direct chats
+once unconstrained and once under a JSON grammar (`agentrl.engines.constrained`),
+`constrained_cost` = constrained seconds per token / unconstrained seconds per token.
+
 With `--stream` the agent side streams (`stream=True`, SSE as tokens are
 sampled) and the summary adds `first_content_share`: the mean, over streamed
 calls, of (time to the first content delta) / (time to the end of the answer);
 near 1 means the answer came in one piece, small means it streamed.
 
-Summary line: direct_tok_s=<x> gateway_tok_s=<y> gateway_vs_direct=<y/x> [first_content_share=<z>] (goal >= 0.9)
+Summary line: direct_tok_s=<x> <api>_tok_s=<y> <api>_vs_direct=<y/x> <api>_added_ms_p50=<ms> ...
+gateway_vs_direct=<the lowest api's ratio> [first_content_share=<z>] [constrained_cost=<c>] (goal >= 0.9, p50 <= 5 ms)
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import time
 from typing import Any, cast
 
@@ -32,13 +49,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import anthropic
 import openai
 
 from agentrl.chat.conversation import Budgets, Conversation, HFChatTokenizer
 from agentrl.chat.tool_parsers import HermesParser
 from agentrl.engines.base import Sampling
+from agentrl.engines.constrained import json_grammar
 from agentrl.engines.hf import HFEngine
 from agentrl.engines.models import resolve_model
+from agentrl.engines.scripted import ScriptedEngine
 from agentrl.gateway import Backend, Gateway, GatewayConfig, TrainerSampling
 from agentrl.types import Message
 
@@ -49,13 +69,16 @@ def opening(i: int) -> str:
     return f"Tell me something interesting about the number {10 + i}."
 
 
+APIS = ("chat", "responses", "messages")
+
+
 async def direct(engine: HFEngine, tokenizer: HFChatTokenizer, budgets: Budgets, sessions: int, turns: int,
-                 max_tokens: int) -> int:
-    """The chats on the engine, as the rollout loop runs them; returns the sampled tokens."""
+                 max_tokens: int, grammar: str | None = None) -> int:
+    """The chats on the engine, as the rollout loop runs them (under `grammar` if given); returns the sampled tokens."""
 
     async def chat(i: int) -> int:
         conv = Conversation(tokenizer, [Message("system", SYSTEM), Message("user", opening(i))], budgets=budgets)
-        sampling = Sampling(max_tokens=max_tokens, temperature=1.0, stop_ids=tuple(tokenizer.eos_ids))
+        sampling = Sampling(max_tokens=max_tokens, temperature=1.0, stop_ids=tuple(tokenizer.eos_ids), grammar=grammar)
         n = 0
         for t in range(turns):
             completion = await engine.generate(conv.token_ids, sampling)
@@ -91,21 +114,40 @@ async def streamed_call(client: openai.AsyncOpenAI, messages: list[dict[str, Any
     return text, ids
 
 
+async def call(api: str, client: Any, messages: list[dict[str, Any]], max_tokens: int,
+               shares: list[float] | None) -> tuple[str, list[int]]:
+    """One agent call in `api`'s wire format with the whole history; its text and the sampled ids."""
+    if api == "chat":
+        if shares is not None:
+            return await streamed_call(client, messages, max_tokens, shares)
+        r = await client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens)
+        return r.choices[0].message.content or "", (r.choices[0].model_extra or {})["token_ids"]
+    if api == "responses":
+        r = await client.responses.create(model="m", instructions=messages[0]["content"], input=messages[1:],
+                                          max_output_tokens=max_tokens)
+        return r.output_text, (r.model_extra or {})["token_ids"]
+    r = await client.messages.create(model="m", system=messages[0]["content"], messages=messages[1:],
+                                     max_tokens=max_tokens)
+    return "".join(b.text for b in r.content if b.type == "text"), (r.model_extra or {})["token_ids"]
+
+
+def client_for(api: str, gateway: Gateway, session: Any) -> Any:
+    if api == "messages":
+        return anthropic.AsyncAnthropic(base_url=f"{gateway.url}/s/{session.id}", api_key=session.key, max_retries=0)
+    return openai.AsyncOpenAI(base_url=gateway.base_url(session), api_key=session.key, max_retries=0)
+
+
 async def through_gateway(gateway: Gateway, sessions: int, turns: int, max_tokens: int,
-                          shares: list[float] | None = None) -> int:
-    """The same chats as agent code: the openai SDK, the whole history resent each turn (streamed with `shares`)."""
+                          shares: list[float] | None = None, api: str = "chat") -> int:
+    """The same chats as agent code: `api`'s SDK, the whole history resent each turn (streamed with `shares`)."""
 
     async def chat(i: int) -> int:
         session = gateway.open_session()
         messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(i)}]
         n = 0
-        async with openai.AsyncOpenAI(base_url=gateway.base_url(session), api_key=session.key, max_retries=0) as client:
+        async with client_for(api, gateway, session) as client:
             for t in range(turns):
-                if shares is None:
-                    r = await client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens)  # type: ignore[arg-type]
-                    text, ids = r.choices[0].message.content or "", (r.choices[0].model_extra or {})["token_ids"]
-                else:
-                    text, ids = await streamed_call(client, messages, max_tokens, shares)
+                text, ids = await call(api, client, messages, max_tokens, shares)
                 n += len(ids)
                 messages.append({"role": "assistant", "content": text})
                 if t + 1 < turns:
@@ -118,6 +160,28 @@ async def through_gateway(gateway: Gateway, sessions: int, turns: int, max_token
     return sum(await asyncio.gather(*(chat(i) for i in range(sessions))))
 
 
+async def added_latency(tokenizer: HFChatTokenizer, budgets: Budgets, api: str, calls: int) -> float:
+    """The median ms of one call through the gateway on an engine that answers at once (all but sampling)."""
+    reply = " ".join(["word"] * 31)
+    engine = ScriptedEngine(ScriptedEngine.Config(replies=[reply]), tokenizer=tokenizer)
+    backend = Backend(engine=engine, tokenizer=tokenizer, parser=HermesParser(), sampling=TrainerSampling(1.0),
+                      budgets=Budgets(max_turns=10**6, max_total_tokens=10**7, max_new_tokens_per_turn=64))
+    took: list[float] = []
+    async with Gateway(GatewayConfig(), backend) as gateway:
+        for k in range(-3, calls):  # three warm-up calls
+            session = gateway.open_session()
+            async with client_for(api, gateway, session) as client:
+                messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(k)}]
+                for t in range(3):  # multi-turn, as agents call: each call resends the history
+                    start = time.perf_counter()
+                    text, _ = await call(api, client, messages, 64, None)
+                    if k >= 0:
+                        took.append(time.perf_counter() - start)
+                    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Go on ({t})."}]
+            gateway.close_session(session)
+    return 1000 * statistics.median(took)
+
+
 async def main(args: argparse.Namespace) -> None:
     path = resolve_model(args.model)
     tokenizer = HFChatTokenizer.from_pretrained(path)
@@ -125,31 +189,54 @@ async def main(args: argparse.Namespace) -> None:
     budgets = Budgets(max_turns=args.turns, max_total_tokens=4096, max_new_tokens_per_turn=args.max_tokens)
     backend = Backend(engine=engine, tokenizer=tokenizer, parser=HermesParser(), sampling=TrainerSampling(1.0),
                       budgets=budgets)
-    totals = {"direct": [0, 0.0], "gateway": [0, 0.0]}
+    apis = APIS if args.api == "all" else (args.api,)
+    sides = ["direct", *apis]
+    totals = {side: [0, 0.0] for side in sides}
     shares: list[float] | None = [] if args.stream else None
+    constrained = [0, 0.0]
     try:
         async with Gateway(GatewayConfig(), backend) as gateway:
             await direct(engine, tokenizer, budgets, 2, 1, 8)  # warm-up: model, caches, HTTP stack
-            await through_gateway(gateway, 2, 1, 8)
+            for api in apis:
+                await through_gateway(gateway, 2, 1, 8, api=api)
             for r in range(args.rounds):
-                for side in ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct"):
+                for side in sides[r % len(sides):] + sides[: r % len(sides)]:  # rotated: load hits every side alike
                     start = time.perf_counter()
                     if side == "direct":
                         tokens = await direct(engine, tokenizer, budgets, args.sessions, args.turns, args.max_tokens)
                     else:
-                        tokens = await through_gateway(gateway, args.sessions, args.turns, args.max_tokens, shares)
+                        streamed = shares if side == "chat" else None
+                        tokens = await through_gateway(gateway, args.sessions, args.turns, args.max_tokens, streamed, side)
                     took = time.perf_counter() - start
                     totals[side][0] += tokens
                     totals[side][1] += took
-                    print(f"round {r} {side:8s} {tokens:6d} tokens {took:7.2f}s {tokens / took:8.1f} tok/s", flush=True)
+                    print(f"round {r} {side:9s} {tokens:6d} tokens {took:7.2f}s {tokens / took:8.1f} tok/s", flush=True)
+                if args.constrained:
+                    start = time.perf_counter()
+                    tokens = await direct(engine, tokenizer, budgets, args.sessions, args.turns, args.max_tokens,
+                                          grammar=json_grammar())
+                    took = time.perf_counter() - start
+                    constrained[0] += tokens
+                    constrained[1] += took
+                    print(f"round {r} {'json':9s} {tokens:6d} tokens {took:7.2f}s {tokens / took:8.1f} tok/s", flush=True)
     finally:
         await engine.close()  # also after a failure: the worker thread must not outlive the loop
+    latency = {api: await added_latency(tokenizer, budgets, api, args.latency_calls) for api in apis}
     direct_tps = totals["direct"][0] / totals["direct"][1]
-    gateway_tps = totals["gateway"][0] / totals["gateway"][1]
-    summary = f"direct_tok_s={direct_tps:.1f} gateway_tok_s={gateway_tps:.1f} gateway_vs_direct={gateway_tps / direct_tps:.3f}"
+    parts = [f"direct_tok_s={direct_tps:.1f}"]
+    ratios = []
+    for api in apis:
+        tps = totals[api][0] / totals[api][1]
+        ratios.append(tps / direct_tps)
+        parts += [f"{api}_tok_s={tps:.1f}", f"{api}_vs_direct={tps / direct_tps:.3f}",
+                  f"{api}_added_ms_p50={latency[api]:.2f}"]
+    parts.append(f"gateway_vs_direct={min(ratios):.3f}")
     if shares:
-        summary += f" first_content_share={sum(shares) / len(shares):.3f}"
-    print(summary)
+        parts.append(f"first_content_share={sum(shares) / len(shares):.3f}")
+    if args.constrained and constrained[0]:
+        per_token = constrained[1] / constrained[0]
+        parts.append(f"constrained_cost={per_token / (totals['direct'][1] / totals['direct'][0]):.3f}")
+    print(" ".join(parts))
 
 
 if __name__ == "__main__":
@@ -160,5 +247,8 @@ if __name__ == "__main__":
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=4, help="rounds per side, alternating")
-    parser.add_argument("--stream", action="store_true", help="the agent side streams (SSE as tokens are sampled)")
+    parser.add_argument("--stream", action="store_true", help="the chat side streams (SSE as tokens are sampled)")
+    parser.add_argument("--api", default="all", choices=["all", *APIS], help="which agent APIs to measure")
+    parser.add_argument("--latency-calls", type=int, default=30, help="sessions (3 calls each) per API for added latency")
+    parser.add_argument("--constrained", action="store_true", help="also time the direct chats under a JSON grammar")
     asyncio.run(main(parser.parse_args()))

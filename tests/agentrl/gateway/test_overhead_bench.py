@@ -1,4 +1,5 @@
-"""benchmarks/gateway_overhead.py runs end to end (tiny model, one short round) and prints its summary line."""
+"""benchmarks/gateway_overhead.py runs end to end (tiny model, one short round) for every API and prints its
+summary line: tokens/s per API against direct, the added latency per call, the constrained-decoding cost."""
 
 from __future__ import annotations
 
@@ -14,16 +15,22 @@ BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "gateway_overhead.p
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_overhead_benchmark_prints_its_summary(tiny_llama_path: str, stream: bool) -> None:
+    extra = ["--stream", "--api", "chat"] if stream else ["--constrained"]
     out = subprocess.run(
         [sys.executable, str(BENCH), "--model", tiny_llama_path, "--sessions", "3", "--turns", "2",
-         "--max-tokens", "8", "--rounds", "1", *(["--stream"] if stream else [])],
+         "--max-tokens", "8", "--rounds", "1", "--latency-calls", "2", *extra],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     fields = dict(part.split("=") for part in last.split())
-    assert set(fields) == {"direct_tok_s", "gateway_tok_s", "gateway_vs_direct"} | ({"first_content_share"} if stream else set())
+    apis = ["chat"] if stream else ["chat", "responses", "messages"]
+    want = {"direct_tok_s", "gateway_vs_direct"} | {f"{a}_{k}" for a in apis for k in ("tok_s", "vs_direct", "added_ms_p50")}
+    assert set(fields) == want | ({"first_content_share"} if stream else {"constrained_cost"})
     if stream:
         assert 0 < float(fields["first_content_share"]) <= 1
-    assert float(fields["direct_tok_s"]) > 0 and float(fields["gateway_tok_s"]) > 0
-    assert "round 0 gateway" in out.stdout and "round 0 direct" in out.stdout
+    else:
+        assert float(fields["constrained_cost"]) > 0
+    assert float(fields["direct_tok_s"]) > 0 and all(float(fields[f"{a}_added_ms_p50"]) > 0 for a in apis)
+    assert float(fields["gateway_vs_direct"]) == min(float(fields[f"{a}_vs_direct"]) for a in apis)
+    assert all(f"round 0 {a}" in out.stdout for a in ["direct", *apis])
