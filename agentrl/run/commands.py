@@ -38,6 +38,10 @@ def eval_command(
 ) -> None:
     """Score a model on held-out tasks: mean reward and pass@k, written into the run.
 
+    The episodes (status `eval`) and the `eval/*` metrics are stored under the step of
+    the checkpoint evaluated (its `extra_state.json`), or step 0 for a model that is not
+    a checkpoint (the policy before training), so `agentrl replay` shows them.
+
     With `'engine={name: scripted, replies: [...]}'` and `--out DIR` this is a model-free
     harness for an env and its reward: play canned replies, then look at every episode.
     """
@@ -47,7 +51,7 @@ def eval_command(
     if tasks is not None:
         run_config.run.eval_tasks = tasks
     run_config.run.eval_samples = samples
-    model, run_dir = _model_and_run(checkpoint)
+    model, run_dir, step = _model_and_run(checkpoint)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         run_dir = out
@@ -55,11 +59,11 @@ def eval_command(
         run_config.model.path = model
         if run_config.engine.model_extra is not None and "model" in run_config.engine.model_extra:
             run_config.engine.model_extra["model"] = model
-    result = asyncio.run(_evaluate(run_config, run_dir))
+    result = asyncio.run(_evaluate(run_config, run_dir, step))
     typer.echo(json.dumps(result, indent=2))
 
 
-async def _evaluate(run_config: RunConfig, run_dir: Path | None) -> dict[str, object]:
+async def _evaluate(run_config: RunConfig, run_dir: Path | None, step: int) -> dict[str, object]:
     from agentrl.run.wiring import build_engine_only, evaluate_config
     from agentrl.store.trajectory_store import TrajectoryStore
 
@@ -70,6 +74,7 @@ async def _evaluate(run_config: RunConfig, run_dir: Path | None) -> dict[str, ob
         await parts.close()
     summary: dict[str, object] = {
         "model": run_config.model.path,
+        "step": step,
         "env": run_config.env.name,
         "tasks": result.n_tasks,
         "samples": result.n_samples,
@@ -78,7 +83,8 @@ async def _evaluate(run_config: RunConfig, run_dir: Path | None) -> dict[str, ob
     if run_dir is not None:
         with TrajectoryStore(run_dir / "trajectories.sqlite") as store:
             for traj in result.trajectories:
-                store.add_trajectory(traj, step=None, status="eval")
+                store.add_trajectory(traj, step=step, status="eval")
+            store.add_metrics(step, result.metrics())  # `eval/*`, as the loop's evaluations: replay's held-out curves
             store.set_state(f"eval:{run_config.model.path}", summary)
         evals = run_dir / "eval.json"
         history = json.loads(evals.read_text()) if evals.exists() else []
@@ -86,17 +92,34 @@ async def _evaluate(run_config: RunConfig, run_dir: Path | None) -> dict[str, ob
     return summary
 
 
-def _model_and_run(checkpoint: str | None) -> tuple[str | None, Path | None]:
-    """A checkpoint dir resolves to its HF model folder and the run it belongs to."""
+def _model_and_run(checkpoint: str | None) -> tuple[str | None, Path | None, int]:
+    """A checkpoint dir resolves to its HF model folder, the run it belongs to and its step.
+
+    A model that is not a checkpoint (a model dir, an alias, none) is step 0: the policy before training.
+    """
     if checkpoint is None:
-        return None, None
+        return None, None, 0
     path = Path(checkpoint)
     if (path / "model" / "config.json").exists():
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
-        return str(path / "model"), run_dir
+        return str(path / "model"), run_dir, _checkpoint_step(path)
     if path.exists() and not (path / "config.json").exists():
         raise AgentrlError(f"--checkpoint {checkpoint}: neither a checkpoint nor a model directory")
-    return checkpoint, None
+    return checkpoint, None, 0
+
+
+def _checkpoint_step(path: Path) -> int:
+    """The loop's step a checkpoint was saved at (`extra_state.json`), else the N of its `step-N` name, else 0."""
+    extra = path / "extra_state.json"
+    if extra.exists():
+        try:
+            step = json.loads(extra.read_text()).get("step")
+        except (OSError, ValueError, AttributeError) as e:
+            raise AgentrlError(f"--checkpoint {path}: cannot read {extra.name} ({e})") from None
+        if isinstance(step, int):
+            return step
+    name = path.name.removeprefix("step-")
+    return int(name) if name.isdigit() else 0
 
 
 def plot_command(
