@@ -36,6 +36,8 @@ from .base import (
     decode_capped,
     sandbox_error,
 )
+from .e2b_workspace import E2BWorkspace
+from .workspace import PreparedState, WorkspaceSpec, WorkspaceUnsupported
 
 RESULT_MARK = "__agentrl_result__ "
 
@@ -292,6 +294,13 @@ class E2BSandbox(BaseSandbox):
                 self._idle.put_nowait(None)
                 if sb is not None:
                     await self._kill(sb)
+
+    def workspace(self, spec: WorkspaceSpec | None = None, *, prepared: PreparedState | None = None) -> E2BWorkspace:
+        """One persistent workspace in its own e2b sandbox (``async with``); see agentrl.sandboxes.e2b_workspace."""
+        return E2BWorkspace(self, spec or WorkspaceSpec(), prepared)
+
+    async def prepare(self, spec: WorkspaceSpec) -> PreparedState:
+        raise WorkspaceUnsupported("the e2b backend has no prepare(): pre-build a task's state as an e2b template")
 
     async def close(self) -> None:
         await super().close()
