@@ -23,7 +23,7 @@ from agentrl.config import RunConfig, dump_config
 from agentrl.errors import AgentrlError
 from agentrl.rollout.task_stream import AllTasksSolved, SolvedTasks, TaskStream
 from agentrl.run.alerts import RunAlerts
-from agentrl.run.memory import MemoryProbe
+from agentrl.run.memory import MemoryProbe, bound_heap_retention
 from agentrl.run.metrics_log import MetricsLog, check_loggers
 from agentrl.run.progress import TrainProgress
 from agentrl.run.run_dir import RunDir
@@ -76,6 +76,7 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
     """One start of the run: build everything, restore the newest checkpoint, train until done."""
     began = time.monotonic()  # `time/wall_s`: wall clock of this process, model loading included
     check_loggers(config.run.loggers)
+    bound_heap_retention()  # freed activations/KV go back to the OS, not to per-thread heap arenas (run.memory)
     parts = build_parts(config)  # a model that cannot be had fails before a run directory is made
     run = attempt.run = attempt.run or RunDir.create(Path(config.run.output_dir), config.run.name)
     run.config_path.write_text(dump_config(config))

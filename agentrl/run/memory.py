@@ -82,6 +82,31 @@ class AllocatorTrim:
             self._trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+
+
+def bound_heap_retention(threshold_mb: float = 1.0) -> bool:
+    """Serve every allocation of `threshold_mb` or more with its own mmap, returned to the OS on free.
+
+    glibc's default threshold starts at 128 KiB but rises to the size of each
+    freed mapping (up to 32 MiB), so after the first step activations, KV and
+    logits chunks of a few MiB land in per-thread heap arenas that keep them
+    after free: RSS then follows the largest pattern ever seen in each of the
+    trainer's and the engine's threads. A fixed threshold also turns that
+    rise off. True when set; False where libc has no `mallopt` (musl, macOS)
+    or `MALLOC_MMAP_THRESHOLD_` in the environment already decides.
+    """
+    import os
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
+
+
 class MemoryProbe:
     """The run's `memory/*` metrics (module docstring); one per run, no global state.
 

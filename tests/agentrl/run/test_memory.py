@@ -66,3 +66,29 @@ def test_trim_returns_freed_small_blocks_to_the_os() -> None:
     rss_after, _ = process_memory_mb()
     assert rss_before - rss_after > 100, (rss_before, rss_after)
     del keep, tail
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
+def test_bounded_heap_retention_returns_freed_blocks_without_a_trim() -> None:
+    import os
+    import subprocess
+
+    # in a fresh process: the threshold is process-wide
+    code = (
+        "from agentrl.run.memory import bound_heap_retention, process_memory_mb\n"
+        "import sys\n"
+        "assert bound_heap_retention(1.0) is (sys.argv[1] == 'on')\n"
+        "blocks, keep = [], []\n"
+        "for _ in range(64):\n"  # 256 MB in 4 MB blocks, each with a live block above it in the heap
+        "    blocks.append(bytearray(b'\\x01') * (4 << 20))\n"
+        "    keep.append(bytearray(b'\\x01') * 200_000)\n"
+        "del blocks\n"
+        "print(process_memory_mb()[0])\n"
+    )
+    env_off = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20)}  # the environment decides: the call leaves it
+
+    on = float(subprocess.run([sys.executable, "-c", code, "on"], capture_output=True, text=True, check=True,
+                              env={k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}).stdout)
+    off = float(subprocess.run([sys.executable, "-c", code, "off"], capture_output=True, text=True, check=True,
+                               env={**os.environ, **env_off}).stdout)
+    assert off - on > 150, (on, off)  # kept in the heap without the bound, handed back with it
