@@ -1,5 +1,6 @@
-"""examples/openai-agent: the plain OpenAI-SDK agent and its OpenAI Agents SDK twin solve calculator tasks through
-the agent env (scripted model with SmolLM2's tokenizer) and get the native env's reward."""
+"""examples/openai-agent: one agent per API (the plain OpenAI-SDK agent on Chat Completions, the OpenAI Agents SDK
+on Chat Completions and on its default Responses model, the anthropic SDK on Messages) solve calculator tasks
+through the agent env (scripted model with SmolLM2's tokenizer) and get the native env's reward."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ PARAMS: dict[str, Any] = {"digits": 2, "num_operands": 2, "operators": ["+", "-"
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("agent", ["agent.py:solve", "agents_sdk.py:solve"])
+@pytest.mark.parametrize("agent", ["agent.py:solve", "agents_sdk.py:solve", "responses_agent.py:solve",
+                                   "anthropic_agent.py:solve"])
 async def test_example_agents_solve_calculator_tasks(smollm2_path: str, agent: str) -> None:
     tasks = list(CalculatorEnv(CalculatorConfig(**PARAMS)).tasks("train"))
     expressions = {t["prompt"]: t["expression"] for t in tasks}
