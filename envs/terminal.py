@@ -140,13 +140,11 @@ class WorkspaceDied(RuntimeError):
     error_class = "sandbox"
 
 
-class TerminalEnv(ToolEnv):
+class TerminalEnv(ToolEnv[TerminalConfig]):
     """A shell workspace per episode; reward from the task's tests run in it afterwards."""
 
     name: ClassVar[str] = "terminal"
     description: ClassVar[str] = "Shell tasks in a workspace (Harbor format), graded by the task's own tests"
-    Config: ClassVar[type[EnvConfig]] = TerminalConfig
-    config: TerminalConfig
 
     def __init__(self, config: TerminalConfig | None = None, *, sandbox: Any = None, plugins: Any = None,
                  resources: RunResources | None = None) -> None:
