@@ -165,7 +165,9 @@ class WorkspaceServer:
             signal.signal(s, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.umask(0o022)
-        self.guard.confine()
+        self.guard.confine()  # dumpable again: its own /proc files are its own
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # a memory bomb is the OOM killer's victim, never the server (raising needs no privilege)
         limits = [(resource.RLIMIT_CORE, (0, 0))]
         if req.get("mem"):
             limits.append((resource.RLIMIT_AS, (req["mem"], req["mem"])))
