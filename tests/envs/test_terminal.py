@@ -106,3 +106,37 @@ async def test_a_dead_workspace_is_an_infrastructure_failure(sandbox: Any) -> No
     from agentrl.sandboxes.local_workspace import leftover_dirs
 
     assert [d for d in leftover_dirs() if not (d / "layer").exists()] == []
+
+
+async def test_rollout_oracle_and_dead_workspace_through_run_episode(sandbox: Any) -> None:
+    """Through the rollout loop: the oracle's episode scores 1.0; a workspace killed mid-episode ends the
+    episode with a `sandbox` error (retried / group dropped by the manager), not a scored zero."""
+    from agentrl.chat.conversation import SimpleChatTokenizer, hermes_content
+    from agentrl.engines.scripted import ScriptedEngine
+    from agentrl.rollout.config import RolloutConfig
+    from agentrl.rollout.episode import run_episode
+
+    tok = SimpleChatTokenizer()
+    env = TerminalEnv(sandbox=sandbox)
+    task = {"id": "sum-numbers", "split": "train"}
+    script = (env.harbor_tasks()["sum-numbers"].path / "solution" / "solve.sh").read_text()
+    kill = {"on": False}
+
+    def policy(prompt: str) -> str:
+        if "<|im_start|>tool\n" in prompt:
+            if kill["on"]:
+                os.killpg(env.ws.pid(), signal.SIGKILL)  # type: ignore[union-attr]
+                return hermes_content(call("bash", command="echo hi"))
+            return hermes_content(call("submit"))
+        return hermes_content(call("bash", command=script))
+
+    engine = ScriptedEngine(ScriptedEngine.Config(), tokenizer=tok, reply_fn=policy)
+    try:
+        traj = await run_episode(env, task, engine, tok, RolloutConfig(max_turns=6))
+        assert traj.error is None, traj.error
+        assert traj.terminated and traj.reward == 1.0 and len(traj.turns) == 2
+        kill["on"] = True
+        traj = await run_episode(env, task, engine, tok, RolloutConfig(max_turns=6))
+        assert traj.error is not None and traj.error.kind == ErrorClass.SANDBOX, traj.error
+    finally:
+        await env.close()
