@@ -15,7 +15,7 @@ them (the `torch` trainer in this process, the `ray` group of ranks):
   (RL or SFT) adds one, and engines serve weights under this number.
 
 A trainer that runs processes of its own (the `ray` group's ranks) may also
-have a `close()`; the run calls it when it ends.
+have a `close()` (`ClosableTrainer`); the run calls it when it ends.
 
 The implementations live in `agentrl.trainers` (torch); this module only names
 the shape, so the core can type `Parts.trainer` without importing torch.
@@ -67,6 +67,13 @@ class Trainer(Protocol):
     def save(self, path: str | Path, extra_state: Mapping[str, JSON] | None = None) -> None: ...
 
     def load(self, path: str | Path) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ClosableTrainer(Protocol):
+    """A trainer with processes or resources of its own to end (`close()`); the run calls it when it ends."""
+
+    def close(self) -> None: ...
 
 
 def group_samples(groups: Sequence[Group]) -> list[list[TrainSample]]:

@@ -46,7 +46,7 @@ from agentrl.chat.conversation import Budgets, ChatTokenizer
 from agentrl.chat.tool_parsers import get_parser
 from agentrl.engines.base import InferenceEngine
 from agentrl.env import Env, EnvConfig, StepResult, Task
-from agentrl.envkit.rewards import RewardResult
+from agentrl.envkit.rewards import ClosableReward, RewardResult
 from agentrl.gateway import Backend, Gateway, GatewayConfig, Session, TrainerSampling
 from agentrl.gateway.episodes import RemoteAgents
 from agentrl.rollout.config import RolloutConfig
@@ -184,9 +184,8 @@ class AgentEnv(Env[AgentEnvConfig]):
         rewards, self._rewards = self._rewards or [], None
         try:
             for _, _, reward in rewards:
-                close = getattr(reward, "close", None)
-                if close is not None:
-                    await close()
+                if isinstance(reward, ClosableReward):
+                    await reward.close()
         finally:
             if self._owned:
                 await self.resources.aclose()

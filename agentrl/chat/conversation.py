@@ -35,6 +35,7 @@ from agentrl.chat.tokenizers import (
     HERMES_TOOLS_FOOTER,
     HERMES_TOOLS_HEADER,
     MARKER,
+    BoundaryCaching,
     ChatTokenizer,
     HFChatTokenizer,
     SimpleChatTokenizer,
@@ -356,7 +357,7 @@ class Conversation:
 
     def _template_facts(self) -> _TemplateFacts:
         """This template's `_TemplateFacts`, shared through the tokenizer's `boundary_cache` if it has one."""
-        cache: dict[str, Any] | None = getattr(self.tokenizer, "boundary_cache", None)
+        cache = self.tokenizer.boundary_cache if isinstance(self.tokenizer, BoundaryCaching) else None
         key = json.dumps(self.tools) if self.tools else ""  # key order renders differently: not sorted
         found = cache.get(key) if cache is not None else None
         if not isinstance(found, _TemplateFacts):

@@ -39,8 +39,8 @@ class ChatTokenizer(Protocol):
     `encode` adds no BOS/special tokens of its own: whatever the template
     renders (a BOS string included) is all there is. `eos_ids` are the ids that
     end an assistant turn; engines use them as stop ids. A tokenizer may carry
-    a `boundary_cache` dict, where conversations cache template facts that do
-    not change between episodes.
+    a `boundary_cache` dict (`BoundaryCaching`), where conversations cache
+    template facts that do not change between episodes.
     """
 
     eos_ids: tuple[int, ...]
@@ -56,6 +56,17 @@ class ChatTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class BoundaryCaching(Protocol):
+    """A `ChatTokenizer` with a dict where conversations cache its template's turn-boundary facts.
+
+    They do not change between episodes, so every conversation on this tokenizer
+    reuses them instead of rendering the probe conversation again.
+    """
+
+    boundary_cache: dict[str, Any]
 
 
 # --------------------------------------------------------------------------- tools in the prompt

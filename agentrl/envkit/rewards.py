@@ -32,6 +32,13 @@ class Reward(Protocol):
     async def score(self, task: Task, messages: Sequence[Message]) -> RewardResult: ...
 
 
+@runtime_checkable
+class ClosableReward(Protocol):
+    """A reward holding resources (a verifier's worker pool, a model) it releases in `close()`."""
+
+    async def close(self) -> None: ...
+
+
 async def weighted(
     rewards: Sequence[tuple[str, float, Reward]], task: Task, messages: Sequence[Message]
 ) -> RewardResult:

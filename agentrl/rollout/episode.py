@@ -24,7 +24,7 @@ import itertools
 import math
 import time
 from collections.abc import Awaitable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from agentrl.chat.conversation import Budgets, ChatTokenizer, Conversation
 from agentrl.engines.base import InferenceEngine, Sampling
@@ -33,6 +33,16 @@ from agentrl.rollout.config import RolloutConfig
 from agentrl.types import EpisodeError, ErrorClass, Message, Trajectory
 
 T = TypeVar("T")
+
+
+@runtime_checkable
+class ClassifiedError(Protocol):
+    """An exception that names its own error class (`EpisodeFailure`, or a plugin's own exception).
+
+    `error_class` is an `ErrorClass` or its value; plugins need not import this module to have one.
+    """
+
+    error_class: ErrorClass | str
 
 
 class EpisodeFailure(Exception):
@@ -49,10 +59,9 @@ class EpisodeFailure(Exception):
 
 def classify(exc: BaseException, default: ErrorClass) -> ErrorClass:
     """The error class of an exception raised at a boundary whose default class is `default`."""
-    kind = getattr(exc, "error_class", None)
-    if kind is not None:
+    if isinstance(exc, ClassifiedError):
         try:
-            return ErrorClass(kind)
+            return ErrorClass(exc.error_class)
         except ValueError:
             pass
     if isinstance(exc, TimeoutError):

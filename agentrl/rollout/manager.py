@@ -29,10 +29,10 @@ from typing import Any
 
 from agentrl.chat.conversation import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
-from agentrl.env import Env, Task
+from agentrl.env import Env, EpisodeDriver, Task
 from agentrl.rollout.config import FailurePolicy, RolloutConfig
 from agentrl.rollout.episode import EpisodeFailure, classify, run_episode
-from agentrl.rollout.metrics import RolloutMetrics
+from agentrl.rollout.metrics import EngineBusy, EngineStats, RolloutMetrics
 from agentrl.types import EpisodeError, ErrorClass, Group, Trajectory, new_id
 
 __all__ = ["EpisodeFailure", "RolloutManager", "RolloutStalled", "classify", "run_episode"]
@@ -100,8 +100,10 @@ class RolloutManager:
         self._episodes = 0  # episodes started and not finished
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self._dropped: list[tuple[Group, str]] = []
-        busy, stats = getattr(engine, "busy_seconds", None), getattr(engine, "stats", None)
-        self._metrics = RolloutMetrics(busy if callable(busy) else None, stats if callable(stats) else None)
+        self._metrics = RolloutMetrics(
+            engine.busy_seconds if isinstance(engine, EngineBusy) else None,
+            engine.stats if isinstance(engine, EngineStats) else None,
+        )
 
     # -- public API -----------------------------------------------------------------------
 
@@ -373,9 +375,8 @@ class RolloutManager:
         except Exception as e:
             return [_failed(task, classify(e, ErrorClass.ENV), f"env_factory failed: {e}", group_id, index, seed)]
         try:
-            drive = getattr(env, "drive_episode", None)  # an `EpisodeDriver` (the `agent` env) runs its own
-            if drive is not None:
-                trajs: list[Trajectory] = await drive(
+            if isinstance(env, EpisodeDriver):  # the `agent` env runs its own episodes
+                trajs: list[Trajectory] = await env.drive_episode(
                     task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
                 )
                 return trajs

@@ -14,12 +14,27 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
 
 from agentrl.types import Group, Trajectory
 
 MAX_TOOL_NAMES = 16
 """Distinct tool names that get their own `rollout/tool_calls/<name>` key; the model picks the
 names, so the rest (misspellings, inventions) share `rollout/tool_calls/_other`."""
+
+
+@runtime_checkable
+class EngineBusy(Protocol):
+    """An `InferenceEngine` that reports the seconds it spent generating (`rollout/engine_busy`)."""
+
+    def busy_seconds(self) -> float: ...
+
+
+@runtime_checkable
+class EngineStats(Protocol):
+    """An `InferenceEngine` with cheap counters of its own, logged as `rollout/engine/<key>`."""
+
+    def stats(self) -> Mapping[str, float]: ...
 
 
 class RolloutMetrics:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
 
@@ -51,13 +51,19 @@ class RunResources:
         return key in self._objects
 
 
-async def close_quietly(obj: Any) -> None:
-    """Call `obj.close()` (sync or async) if it has one, under a deadline; its errors are swallowed."""
-    close = getattr(obj, "close", None)
-    if close is None:
+@runtime_checkable
+class Closeable(Protocol):
+    """A shared object with something to release: `close()`, sync or async (sandboxes, verifiers, a gateway)."""
+
+    def close(self) -> object: ...
+
+
+async def close_quietly(obj: object) -> None:
+    """Call `obj.close()` (sync or async) if it is `Closeable`, under a deadline; its errors are swallowed."""
+    if not isinstance(obj, Closeable):
         return
     with contextlib.suppress(Exception):
-        result = close()
+        result = obj.close()
         if inspect.isawaitable(result):
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await result

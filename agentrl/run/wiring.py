@@ -24,7 +24,7 @@ from agentrl.run.evaluation import EvalResult, evaluate, reward_by_env
 from agentrl.run.metrics_log import MetricsLog
 from agentrl.run.resources import RunResources
 from agentrl.store.trajectory_store import TrajectoryStore
-from agentrl.trainer import Trainer
+from agentrl.trainer import ClosableTrainer, Trainer
 from agentrl.types import Group, TrainSample
 
 
@@ -101,9 +101,8 @@ def build_parts(config: RunConfig) -> Parts:
 
 def _close_trainer(trainer: Trainer) -> None:
     """End a trainer that runs processes of its own (the `ray` group: its optional `close()`)."""
-    close = getattr(trainer, "close", None)
-    if close is not None:
-        close()
+    if isinstance(trainer, ClosableTrainer):
+        trainer.close()
 
 
 def build_engine_only(config: RunConfig) -> EvalParts:
