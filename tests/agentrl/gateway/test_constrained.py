@@ -133,3 +133,40 @@ def test_grammar_builders_refuse_what_they_cannot_force(chat_tokenizer: Any) -> 
     assert matcher.allowed()[2]  # complete: the end may come
     bad = grammars.matcher(json_grammar({"type": "object"}), [2])
     assert not bad.allowed()[chat_tokenizer.encode("hello")[0]]
+
+
+async def test_smolagents_tool_calling_agent_with_its_defaults(hf_gateway: Gateway) -> None:
+    """smolagents' `ToolCallingAgent` sends `tool_choice: "required"` on every step: served (it was a 400), each
+    step's reply is a call of one of its tools in the parser's format (a random model's free-text argument may run
+    into the token budget; the call is then cut there, still inside the grammar), and the turns record it."""
+    import asyncio
+
+    smolagents = pytest.importorskip("smolagents")
+
+    @smolagents.tool
+    def pick(op: str) -> str:
+        """Pick an operation.
+
+        Args:
+            op: the operation
+        """
+        return op
+
+    session = hf_gateway.open_session()
+
+    def run() -> Any:
+        model = smolagents.OpenAIServerModel(model_id="m", api_base=hf_gateway.base_url(session), api_key=session.key)
+        agent = smolagents.ToolCallingAgent(tools=[pick], model=model, max_steps=2, verbosity_level=0)
+        return agent.run("Pick an operation.")
+
+    await asyncio.to_thread(run)
+    tokenizer = hf_gateway.backend.tokenizer
+    turns = {t.info["call"]: (traj, t) for traj in session.trajectories(task={}, env="agent") for t in traj.turns}
+    forced = [(traj, t) for traj, t in turns.values() if t.info.get("constrained") == "tool_choice='required'"]
+    assert len(forced) == 2  # both steps (max_steps=2) forced a call
+    for traj, turn in forced:
+        text = tokenizer.decode(traj.token_ids[turn.start : turn.end])
+        head = '<tool_call>\n{"name": "'
+        assert text.startswith(head) and text[len(head):].split('"')[0] in ("pick", "final_answer"), text
+        if turn.info["finish_reason"] == "stop":  # complete: the call parses
+            assert hf_gateway.backend.parser.parse(text.removesuffix("<|im_end|>")).tool_calls[0].error is None
