@@ -45,6 +45,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl", action="store_true", help="also measure TRL's GRPOTrainer on e2e_vs_trl's workload")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL optimizer steps (the first is a warm-up)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per run")
+    p.add_argument("--keep", help="write the agentrl run under this directory and keep it (default: a temp dir)")
     args = p.parse_intermixed_args(argv)
     if "=" in args.config and not args.config.endswith((".yaml", ".yml")):  # a lone override lands in config
         args.overrides = [args.config, *args.overrides]
@@ -116,8 +117,12 @@ def rss_growth(rows: Sequence[dict[str, float]], eval_every: int) -> float:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with tempfile.TemporaryDirectory(prefix="agentrl-memory-") as tmp:
-        peak, rows = agentrl_rows(args, Path(tmp), env)
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        peak, rows = agentrl_rows(args, Path(tempfile.mkdtemp(prefix="memory-", dir=args.keep)), env)
+    else:
+        with tempfile.TemporaryDirectory(prefix="agentrl-memory-") as tmp:
+            peak, rows = agentrl_rows(args, Path(tmp), env)
     shares = sorted({k for r in rows for k in r if k.startswith(("memory/engine/", "memory/trainer/"))})
     print(f"{'step':>4} {'rss_mb':>8} {'peak_mb':>8} {'trimmed':>8} {'eval':>4}  " + " ".join(
         k.removeprefix("memory/") for k in shares))  # fmt: skip
