@@ -173,8 +173,19 @@ class DockerWorkspace(Workspace):
                 asyncio.get_running_loop().run_in_executor(None, self._remove_sync)
 
     def _remove_sync(self) -> None:
+        """Remove the container and wait (bounded) until it is gone (a removal may already be under way)."""
+        import docker.errors
+
         with contextlib.suppress(Exception):
             self.container.remove(force=True)
+        for _ in range(100):
+            try:
+                self.sandbox.client.containers.get(self.container.id)
+            except docker.errors.NotFound:
+                return
+            except Exception:
+                return
+            time.sleep(0.1)
 
     async def _teardown(self) -> None:
         if self.container is not None:

@@ -245,11 +245,11 @@ class Workspace:
                 self._check()
                 try:
                     res = await self._request(msg, timeout_s)
-                except WorkspaceError:
-                    raise
-                except (TimeoutError, OSError, asyncio.IncompleteReadError, ConnectionError) as e:
-                    if self._expired:
+                except (WorkspaceError, TimeoutError, OSError, asyncio.IncompleteReadError, ConnectionError) as e:
+                    if self._expired:  # killed by its lifetime while the call ran
                         raise WorkspaceExpired(f"the workspace exceeded lifetime_s={self.spec.lifetime_s}") from e
+                    if isinstance(e, WorkspaceError):
+                        raise
                     self._kill_now()
                     raise WorkspaceError(f"the workspace died: {type(e).__name__}: {e}") from e
         if res.get("internal"):

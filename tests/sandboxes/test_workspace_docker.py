@@ -117,3 +117,13 @@ async def test_a_killed_runs_container_is_removed_by_the_next_start(docker_sb: A
     async with docker_sb.workspace() as ws:
         await ws.exec("true")
     assert docker_sb.client.containers.list(all=True, filters={"label": f"{LABEL}={dead}"}) == []  # ... until now
+
+
+async def test_lifetime_removes_the_container(docker_sb: Any) -> None:
+    from agentrl.sandboxes.workspace import WorkspaceExpired
+
+    async with docker_sb.workspace(WorkspaceSpec(lifetime_s=1.5)) as ws:
+        await ws.exec("true")
+        with pytest.raises(WorkspaceExpired):
+            await ws.exec("sleep 20", timeout_s=30)
+    assert ours(docker_sb) == []
