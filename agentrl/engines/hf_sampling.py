@@ -54,8 +54,13 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 def sample_rows(
     logits: torch.Tensor, rows: Sequence[RowSampling], generator: torch.Generator | None = None
 ) -> tuple[list[int], list[float]]:
-    """Sample one token per row of `logits` [B, V]; return (ids, logprobs)."""
-    logits = logits.float()
+    """Sample one token per row of `logits` [B, V]; return (ids, logprobs).
+
+    Sampling runs on the host, whatever device the logits come from (a CUDA model's
+    are copied over: [B, V] fp32, ~6 MB for 32 rows of a 49k vocabulary): the row
+    generators are CPU generators, so a seed samples the same tokens on any device.
+    """
+    logits = logits.float().cpu()
     batch = logits.shape[0]
     temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
     greedy = temps == 0
