@@ -317,10 +317,11 @@ class TerminalEnv(ToolEnv[TerminalConfig]):
             return StepResult(messages=result.messages, reward=reward, terminated=done, truncated=not done,
                               truncation_reason=None if done else "max_turns",
                               info={**result.info, **info}, tool_errors=result.tool_errors,
-                              tool_timeouts=result.tool_timeouts)
+                              tool_timeouts=result.tool_timeouts, reward_breakdown=verdict(reward, info))
         self.history.append(action)
         reward, info = await self.verify()
-        return StepResult(messages=[], reward=reward, terminated=True, info=info)
+        return StepResult(messages=[], reward=reward, terminated=True, info=info,
+                          reward_breakdown=verdict(reward, info))
 
     async def verify(self) -> tuple[float, dict[str, Any]]:
         """Copy the tests in, run them, read the reward they wrote (0.0 if none)."""
@@ -337,6 +338,13 @@ class TerminalEnv(ToolEnv[TerminalConfig]):
         if ws is not None:
             with contextlib.suppress(Exception):
                 await ws.close()
+
+
+def verdict(reward: float, info: dict[str, Any]) -> dict[str, float]:
+    """The tests' verdict as the trajectory's reward breakdown (the replay shows it with the reward)."""
+    code = info.get("tests_exit_code")
+    return {"tests": reward, "tests_exit_code": float(code if code is not None else -1),
+            "tests_timed_out": float(bool(info.get("tests_timed_out")))}
 
 
 async def run_tests(ws: Workspace, task: HarborTask) -> tuple[float, dict[str, Any]]:

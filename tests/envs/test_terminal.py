@@ -135,6 +135,8 @@ async def test_rollout_oracle_and_dead_workspace_through_run_episode(sandbox: An
         traj = await run_episode(env, task, engine, tok, RolloutConfig(max_turns=6))
         assert traj.error is None, traj.error
         assert traj.terminated and traj.reward == 1.0 and len(traj.turns) == 2
+        assert traj.reward_breakdown == {"tests": 1.0, "tests_exit_code": 0.0, "tests_timed_out": 0.0}
+        assert "[exit code 0]" in traj.messages[-2].content  # each command's output and exit code, as the tool result
         kill["on"] = True
         traj = await run_episode(env, task, engine, tok, RolloutConfig(max_turns=6))
         assert traj.error is not None and traj.error.kind == ErrorClass.SANDBOX, traj.error
