@@ -420,7 +420,8 @@ class Session:
             else:
                 traj = branch.conv.to_trajectory(task_id=task_id, env=env, **common)
                 traj.prompt_messages = branch.prompt_messages
-            traj.metrics.update({"turns": float(len(turns)), "sampled_tokens": float(traj.num_sampled_tokens)})
+            traj.metrics.update({"turns": float(len(turns)), "sampled_tokens": float(traj.num_sampled_tokens),
+                                 "constrained_turns": float(sum("constrained" in t.info for t in turns))})
             out.append(traj)
         out.sort(key=lambda t: not t.info["gateway"]["main"])
         return out

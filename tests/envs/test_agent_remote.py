@@ -288,13 +288,13 @@ def _free_port() -> int:
 
 async def test_agentrl_eval_with_remote_agents(smollm2_path: str, tmp_path: Path) -> None:
     """`agentrl eval` on a remote-mode config offers its held-out episodes on the gateway; agents play them."""
-    from agentrl.config import load_config
-    from agentrl.run.commands import _evaluate
+    import json
+
+    from agentrl.run.commands import eval_command
 
     port = _free_port()
-    config = load_config(REPO / "examples" / "openai-agent" / "remote.yaml", [
-        f"model.path={smollm2_path}", "engine={name: scripted, replies: ['Answer: 1']}", "run.eval_tasks=3",
-        f"env.gateway.port={port}", f"env.gateway.token={TOKEN}", "env.claim_timeout_s=30"])
+    overrides = [f"model.path={smollm2_path}", "engine={name: scripted, replies: ['Answer: 1']}",
+                 f"env.gateway.port={port}", f"env.gateway.token={TOKEN}", "env.claim_timeout_s=30"]
     url = f"http://127.0.0.1:{port}"
     played: list[str] = []
 
@@ -323,8 +323,9 @@ async def test_agentrl_eval_with_remote_agents(smollm2_path: str, tmp_path: Path
 
     agents = asyncio.ensure_future(agent())
     async with asyncio.timeout(120):
-        summary = await _evaluate(config, tmp_path)
+        await asyncio.to_thread(eval_command, REPO / "examples" / "openai-agent" / "remote.yaml", tasks=3,
+                                out=tmp_path, overrides=overrides)  # the `agentrl eval` command itself
         await agents
+    [summary] = json.loads((tmp_path / "eval.json").read_text())
     assert summary["tasks"] == 3 and summary["reward_mean"] == 1.0, summary
     assert played == ["Answer: 1"] * 3
-    assert (tmp_path / "eval.json").exists()

@@ -93,6 +93,7 @@ async def test_forced_calls_parse_and_logprobs_are_the_masked_distributions(hf_g
     trajs = session.trajectories(task={}, env="agent")
     turns = [t for traj in trajs for t in traj.turns]
     assert len(turns) == 4 and all(t.info["constrained"].startswith("tool_choice=") for t in turns)
+    assert sum(traj.metrics["constrained_turns"] for traj in trajs) == 4
 
 
 async def test_forced_calls_in_messages_and_responses_and_json_schema(hf_gateway: Gateway) -> None:
