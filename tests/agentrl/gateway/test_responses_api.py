@@ -111,4 +111,8 @@ async def test_refusals(gateway: Gateway) -> None:
             r = await http.post(url, json={**base, **extra})
             assert r.status_code == 400, (extra, r.text)
             assert r.json()["error"]["param"] == param, r.json()
-    assert session.calls == 0
+        assert session.calls == 0
+        unstored = (await http.post(url, json={**base, "store": False})).json()  # served, but not kept
+        r = await http.post(url, json={**base, "previous_response_id": unstored["id"]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+    assert session.calls == 1 and not session.responses
