@@ -16,7 +16,8 @@
 #   deepspeed    DeepSpeed ZeRO-3 as a group of one on the device (tests/trainers/test_gpu_deepspeed.py) when
 #                its wheel installs; --cpu runs it only with --deepspeed
 # OUT_DIR gets gpu_check.log, tests.log, train-lora.log, train-full.log, deepspeed.log and summary.txt (one
-# key=value line, also printed last). Scratch (models, run directories) goes to GPU_CHECK_WORK
+# key=value line, also printed last; rewritten after each part, with incomplete=1 until the end). Exit status:
+# 0 when no part failed or timed out, else 1. Scratch (models, run directories) goes to GPU_CHECK_WORK
 # (default ${TMPDIR:-/tmp}/agentrl-gpu-check). Env: PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -100,14 +101,21 @@ declare -A S=()  # the summary: key -> value (spaces become _)
 ORDER=()
 put() { [ -n "${S[$1]+x}" ] || ORDER+=("$1"); S[$1]=${2// /_}; }
 
+summary_line() {
+  local line="gpu_check" k
+  for k in "${ORDER[@]}"; do line+=" $k=${S[$k]}"; done
+  echo "$line"
+}
+snapshot() {  # after every part: a run killed from outside still leaves the summary so far (incomplete=1)
+  echo "$(summary_line) incomplete=1 wall_s=$(( $(date +%s) - BEGAN ))" > "$OUT/summary.txt"
+}
+FAILED=0
 write_summary() {
   [ -n "${SUMMARY_DONE:-}" ] && return
   SUMMARY_DONE=1
   put wall_s $(( $(date +%s) - BEGAN ))
-  local line="gpu_check"
-  for k in "${ORDER[@]}"; do line+=" $k=${S[$k]}"; done
-  echo "$line" > "$OUT/summary.txt"
-  echo "$line"
+  summary_line > "$OUT/summary.txt"
+  cat "$OUT/summary.txt"
 }
 trap write_summary EXIT
 
@@ -122,10 +130,11 @@ run_part() {
   rc=$?; took=$(( $(date +%s) - t0 ))
   case $rc in
     0) put "$name" passed ;;
-    124|137) put "$name" "timeout_${limit}s" ;;
-    *) put "$name" "failed_rc$rc" ;;
+    124|137) put "$name" "timeout_${limit}s"; FAILED=1 ;;
+    *) put "$name" "failed_rc$rc"; FAILED=1 ;;
   esac
   put "${name}_s" "$took"
+  snapshot
   echo "== $name: ${S[$name]} in ${took}s (log: $log)"
   tail -n 6 "$log" | sed "s/^/   $name| /"
   return $rc
@@ -204,3 +213,4 @@ else
   cp "$WORK/deepspeed_install.log" "$OUT/deepspeed.log"
 fi
 write_summary
+exit "$FAILED"  # 1 when a part failed or timed out (a skipped part is no failure)
