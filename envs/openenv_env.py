@@ -111,6 +111,7 @@ class OpenEnvServer:
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "uvicorn", cfg.app, "--host", "127.0.0.1", "--port", "0", "--no-access-log",
             cwd=str(cwd), env=env, stdin=asyncio.subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+            preexec_fn=_die_with_parent,
         )
         log = Path(self._log.name)
         loop = asyncio.get_running_loop()
@@ -148,6 +149,15 @@ class OpenEnvServer:
             with contextlib.suppress(OSError):
                 os.unlink(self._log.name)
             self._log = None
+
+
+def _die_with_parent() -> None:
+    """In the server's child process: SIGKILL it when the run's process dies (a killed run leaves no server)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def observation_text(observation: dict[str, Any], field: str | None) -> str:

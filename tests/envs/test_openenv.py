@@ -208,3 +208,42 @@ def test_config_needs_exactly_one_server() -> None:
         OpenEnvConfig(url="http://127.0.0.1:1", app="a:app")
     with pytest.raises(ValueError, match="module:attr"):
         OpenEnvConfig(app="server.app")
+
+
+KILLED_RUN = '''
+import asyncio, sys
+from agentrl.envs.openenv_env import OpenEnvConfig, OpenEnvServer
+
+async def main():
+    server = OpenEnvServer(OpenEnvConfig(app="guess_app:app", app_dir=sys.argv[1]))
+    await server.start()
+    print(server._proc.pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+'''
+
+
+def test_a_killed_run_leaves_no_server(guess_dir: Path) -> None:
+    run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(guess_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None
+        pid = int(run.stdout.readline())
+        assert _alive(pid)
+    finally:
+        run.kill()
+        run.wait(timeout=30)
+    for _ in range(200):  # the kernel delivers the parent-death signal; the server is reaped by init
+        if not _alive(pid) or _zombie(pid):
+            break
+        import time
+
+        time.sleep(0.05)
+    assert not _alive(pid) or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (FileNotFoundError, IndexError):
+        return True
