@@ -5,7 +5,13 @@
 
 In-process mode: for every episode the rollout manager calls the user's
 ``async def solve(task, client)`` (an `openai.AsyncOpenAI` bound to a fresh
-gateway session) or ``async def solve(task, base_url, api_key)``.
+gateway session) or ``async def solve(task, base_url, api_key)``. With
+``workspace: {sandbox: {name: local}, spec: {...}}`` each episode also gets
+its own persistent sandbox workspace (agentrl.sandboxes.workspace), handed to
+a solve that takes a ``workspace`` argument: an agent written for a shell
+(mini-swe-agent style) runs its commands with ``await workspace.exec(cmd)``
+and its files with ``workspace.read_file``/``write_file``, unmodified but for
+where its commands run. The workspace is closed when solve returns.
 
 Remote mode: the run serves one gateway (`agentrl.gateway.episodes`) and each
 episode waits there for an agent in another process or container to claim it
@@ -52,8 +58,10 @@ from agentrl.gateway.episodes import RemoteAgents
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.episode import classify
 from agentrl.run.resources import RunResources
+from agentrl.sandboxes.workspace import Workspace, WorkspaceSpec
 from agentrl.types import JSON, EpisodeError, ErrorClass, Message, Trajectory
 
+from .code_env import SandboxSpec, shared_sandbox
 from .reward_specs import NamedReward, RewardSpec, build_rewards, score_all
 
 Solve = Callable[..., Awaitable[Any]]
@@ -64,6 +72,15 @@ class TasksFromEnv(EnvConfig):
 
     env: str = Field(..., min_length=1, description="a registered env whose tasks(split) to use")
     params: dict[str, JSON] = Field(default_factory=dict, description="that env's config")
+
+
+class AgentWorkspace(EnvConfig):
+    """The workspace each in-process episode's solve gets (its `workspace` argument)."""
+
+    sandbox: SandboxSpec = Field(default_factory=lambda: SandboxSpec(name="local"),
+                                 description="the sandbox holding the workspaces: local, docker or e2b")
+    spec: WorkspaceSpec = Field(default_factory=WorkspaceSpec,
+                                description="files, set-up, work dir and limits of every episode's workspace")
 
 
 class AgentEnvConfig(EnvConfig):
@@ -96,6 +113,10 @@ class AgentEnvConfig(EnvConfig):
     )
     gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="the gateway each episode's agent calls")
     client_timeout_s: float = Field(default=600.0, gt=0, description="the openai client's per-request timeout")
+    workspace: AgentWorkspace | None = Field(
+        default=None, description="in_process mode: a persistent sandbox workspace per episode, passed to a solve "
+        "that takes a `workspace` argument",
+    )
 
     @field_validator("agent")
     @classmethod
@@ -112,6 +133,9 @@ class AgentEnvConfig(EnvConfig):
         if self.mode == "remote" and self.agent is not None:
             raise ValueError(f"agent={self.agent!r}: remote mode runs no agent code in the run; drop it, "
                              "or use mode: in_process")
+        if self.mode == "remote" and self.workspace is not None:
+            raise ValueError("workspace: only in mode in_process (the run hands it to solve); a remote agent "
+                             "runs where its own process runs")
         return self
 
 
@@ -261,7 +285,11 @@ class AgentEnv(Env[AgentEnvConfig]):
     ) -> tuple[Session, EpisodeError | None, Any]:
         """Run `solve` against a gateway of its own: (the session, the episode's error, what solve returned)."""
         assert self.config.agent is not None  # the config's validator: in_process mode names an agent
-        self._solve = self._solve or load_agent(self.config.agent)
+        if self._solve is None:
+            self._solve = load_agent(self.config.agent)
+            if self.config.workspace is not None and "workspace" not in inspect.signature(self._solve).parameters:
+                raise ValueError(f"env.workspace is set but {self.config.agent!r} takes no `workspace` argument; "
+                                 "add one (async def solve(task, client, workspace)) or drop env.workspace")
         async with Gateway(self.config.gateway, backend) as gateway:
             session = gateway.open_session()
             error: EpisodeError | None = None
@@ -317,16 +345,25 @@ class AgentEnv(Env[AgentEnvConfig]):
 
     async def _call_solve(self, task: Task, gateway: Gateway, session: Session) -> Any:
         assert self._solve is not None
+        if self.config.workspace is None:
+            return await self._call_solve_with(task, gateway, session, {})
+        sandbox = shared_sandbox(self.config.workspace.sandbox, self.plugins, self.resources)
+        async with sandbox.workspace(self.config.workspace.spec) as ws:
+            return await self._call_solve_with(task, gateway, session, {"workspace": ws})
+
+    async def _call_solve_with(self, task: Task, gateway: Gateway, session: Session,
+                               extra: dict[str, Workspace]) -> Any:
+        assert self._solve is not None
         params = list(inspect.signature(self._solve).parameters)
         if len(params) >= 2 and params[1] == "base_url":
             kwargs = {"api_key": session.key} if "api_key" in params else {}
-            return await self._solve(dict(task), gateway.base_url(session), **kwargs)
+            return await self._solve(dict(task), gateway.base_url(session), **kwargs, **extra)
         from openai import AsyncOpenAI
 
         client = AsyncOpenAI(base_url=gateway.base_url(session), api_key=session.key,
                              timeout=self.config.client_timeout_s, max_retries=0)
         try:
-            return await self._solve(dict(task), client)
+            return await self._solve(dict(task), client, **extra)
         finally:
             await client.close()
 
