@@ -71,6 +71,10 @@ class OpenEnvConfig(EnvConfig):
     system_prompt: str = Field(default="", description="a system message before the first observation")
     instruction: str = Field(default="", description="text put before the first observation")
     max_turns: int = Field(default=10, ge=1, description="steps before the episode is truncated")
+    max_sessions: int | None = Field(
+        default=None, ge=1, description="sessions the run holds open on the server at once (set it to the server's "
+        "max_concurrent_envs: episodes past it wait for a free session instead of being refused); None: no limit",
+    )
     num_tasks: int = Field(default=64, ge=1, description="tasks per split; a task is a seed passed to reset")
     seed: int = Field(default=0, description="first train seed (test seeds are a disjoint range)")
 
@@ -182,6 +186,7 @@ class OpenEnvEnv(Env[OpenEnvConfig]):
         super().__init__(config)
         self.resources, self._owns_resources = run_resources(resources)
         self._client: Any = None
+        self._slot: asyncio.Semaphore | None = None
         self._turns = 0
 
     def tasks(self, split: str = "train") -> Iterable[Task]:
@@ -203,6 +208,10 @@ class OpenEnvEnv(Env[OpenEnvConfig]):
         await self._close_client()
         self._turns = 0
         url = await self.base_url()
+        if self.config.max_sessions is not None:
+            slots = self.resources.get("openenv-sessions:" + url, lambda: asyncio.Semaphore(self.config.max_sessions or 1))
+            await slots.acquire()  # bounded by the rollout's episode deadline
+            self._slot = slots
         self._client = GenericEnvClient(base_url=url, connect_timeout_s=self.config.message_timeout_s,
                                         message_timeout_s=self.config.message_timeout_s)
         task_seed = task.get("seed")
@@ -259,7 +268,10 @@ class OpenEnvEnv(Env[OpenEnvConfig]):
             raise EpisodeFailure(ErrorClass.TIMEOUT, f"the OpenEnv server's {what} took over "
                                  f"message_timeout_s={self.config.message_timeout_s:g}") from e
         except Exception as e:
-            raise EpisodeFailure(ErrorClass.ENV, f"the OpenEnv server's {what} failed: {type(e).__name__}: {e}") from e
+            hint = (" (a server at its max_concurrent_envs closes new sessions: set env.max_sessions to it)"
+                    if what == "reset" and "ConnectionClosed" in type(e).__name__ else "")
+            raise EpisodeFailure(ErrorClass.ENV, f"the OpenEnv server's {what} failed: {type(e).__name__}: {e}"
+                                 f"{hint}") from e
 
     async def close(self) -> None:
         await self._close_client()
@@ -268,7 +280,12 @@ class OpenEnvEnv(Env[OpenEnvConfig]):
 
     async def _close_client(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(10):
-                    await client.close()
+        slot, self._slot = self._slot, None
+        try:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(10):
+                        await client.close()
+        finally:
+            if slot is not None:
+                slot.release()

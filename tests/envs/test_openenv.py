@@ -119,6 +119,34 @@ async def test_echo_env_reply_is_the_action_and_reward_comes_from_the_server(ech
         await env.close()
 
 
+async def test_sessions_past_the_servers_limit_wait_with_max_sessions(echo_dir: Path) -> None:
+    """The echo app serves max_concurrent_envs=1: a second session is refused, unless max_sessions makes it wait."""
+    import asyncio
+
+    resources = RunResources()
+    config = OpenEnvConfig(app="server.app:app", app_dir=str(echo_dir), observation_field="echoed_message")
+    first, refused = OpenEnvEnv(config, resources=resources), OpenEnvEnv(config, resources=resources)
+    limited = OpenEnvConfig(**{**config.model_dump(), "max_sessions": 1})
+    a, b = OpenEnvEnv(limited, resources=resources), OpenEnvEnv(limited, resources=resources)
+    try:
+        await first.reset({"id": "train-0", "seed": 0})
+        with pytest.raises(EpisodeFailure, match="max_sessions"):
+            await refused.reset({"id": "train-1", "seed": 1})
+        await first.close()
+        await a.reset({"id": "train-0", "seed": 0})
+        waiting = asyncio.ensure_future(b.reset({"id": "train-1", "seed": 1}))
+        assert (await a.step(_reply("abc"))).messages[0].content == "abc"  # a's session works while b waits
+        assert not waiting.done()
+        await a.close()  # frees the session: b gets it
+        messages, _ = await asyncio.wait_for(waiting, 60)
+        assert "environment ready" in messages[0].content
+        assert (await b.step(_reply("xy"))).reward == pytest.approx(0.2)
+    finally:
+        for env in (first, refused, a, b):
+            await env.close()
+        await resources.aclose()
+
+
 async def test_json_actions_done_and_invalid_replies(guess_dir: Path) -> None:
     env = OpenEnvEnv(OpenEnvConfig(app="guess_app:app", app_dir=str(guess_dir), action_format="json",
                                    system_prompt="Reply with JSON like {\"guess\": 5}."))
