@@ -198,8 +198,8 @@ class OpenEnvEnv(Env[OpenEnvConfig]):
     async def base_url(self) -> str:
         if self.config.url is not None:
             return self.config.url
-        server = self.resources.get("openenv-server:" + self.config.model_dump_json(), lambda: OpenEnvServer(
-            self.config))
+        where = self.config.model_dump_json(include={"app", "app_dir", "server_env"})  # one server per app
+        server = self.resources.get("openenv-server:" + where, lambda: OpenEnvServer(self.config))
         return await server.start()
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict[str, Any]]:

@@ -96,9 +96,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-async def test_echo_env_reply_is_the_action_and_reward_comes_from_the_server(echo_dir: Path) -> None:
+async def echo_checks(echo_dir: Path, resources: RunResources) -> None:
+    """The reply is the action, the reward is the server's (each server start costs ~10 s: tests share them)."""
     env = OpenEnvEnv(OpenEnvConfig(app="server.app:app", app_dir=str(echo_dir), action_field="message",
-                                   observation_field="echoed_message", max_turns=2, instruction="Say something."))
+                                   observation_field="echoed_message", max_turns=2, instruction="Say something."),
+                     resources=resources)
     try:
         messages, info = await env.reset({"id": "train-0", "seed": 0})
         assert info["server"].startswith("http://127.0.0.1:")
@@ -129,6 +131,7 @@ async def test_sessions_past_the_servers_limit_wait_with_max_sessions(echo_dir: 
     limited = OpenEnvConfig(**{**config.model_dump(), "max_sessions": 1})
     a, b = OpenEnvEnv(limited, resources=resources), OpenEnvEnv(limited, resources=resources)
     try:
+        await echo_checks(echo_dir, resources)
         await first.reset({"id": "train-0", "seed": 0})
         with pytest.raises(EpisodeFailure, match="max_sessions"):
             await refused.reset({"id": "train-1", "seed": 1})
@@ -147,9 +150,10 @@ async def test_sessions_past_the_servers_limit_wait_with_max_sessions(echo_dir: 
         await resources.aclose()
 
 
-async def test_json_actions_done_and_invalid_replies(guess_dir: Path) -> None:
+async def json_checks(guess_dir: Path, resources: RunResources) -> None:
+    """JSON actions, hints, done with the server's reward, a malformed reply, an action the server rejects."""
     env = OpenEnvEnv(OpenEnvConfig(app="guess_app:app", app_dir=str(guess_dir), action_format="json",
-                                   system_prompt="Reply with JSON like {\"guess\": 5}."))
+                                   system_prompt="Reply with JSON like {\"guess\": 5}."), resources=resources)
     try:
         messages, _ = await env.reset({"id": "train-3", "seed": 3})  # target 4
         assert [m.role for m in messages] == ["system", "user"]
@@ -188,6 +192,8 @@ async def test_env_contract_and_one_server_for_the_run(guess_dir: Path) -> None:
         assert not (await env.step(_reply('{"guess": 1}'))).terminated
         await other.close()
         assert len(resources) == 1  # an env's close leaves the run's server to the run
+        await json_checks(guess_dir, resources)
+        assert len(resources) == 1  # another config of the same app (a system prompt): the same server
         server = next(iter(env.resources._objects.values()))
         assert isinstance(server, OpenEnvServer) and server._proc is not None
         pid = server._proc.pid
