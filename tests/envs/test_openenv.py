@@ -7,6 +7,7 @@ rewards them). No network: both are local processes on loopback ports.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -281,3 +282,38 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
     except (FileNotFoundError, IndexError):
         return True
+
+
+def _count_up(prompt: str) -> str:
+    """The scripted model: guess 1, 2, 3, ... (one more than the guesses already in the conversation)."""
+    return json.dumps({"guess": prompt.count('{"guess"') + 1})
+
+
+@pytest.mark.model
+async def test_groups_under_the_rollout_manager(guess_dir: Path, smollm2_path: str) -> None:
+    """A run's episodes (groups of 2, 4 in flight, max_sessions 2) are OpenEnv sessions; reward and done the server's."""
+    from agentrl.chat.conversation import HFChatTokenizer
+    from agentrl.engines.scripted import ScriptedEngine
+    from agentrl.rollout.config import RolloutConfig
+    from agentrl.rollout.manager import RolloutManager
+
+    tokenizer = HFChatTokenizer.from_pretrained(smollm2_path)
+    engine = ScriptedEngine(ScriptedEngine.Config(logprob=-0.5), tokenizer=tokenizer, reply_fn=_count_up)
+    config = OpenEnvConfig(app="guess_app:app", app_dir=str(guess_dir), action_format="json", num_tasks=3,
+                           max_sessions=2)
+    rollout = RolloutConfig(group_size=2, groups_per_step=3, max_in_flight=4, max_staleness=4, max_turns=12,
+                            max_new_tokens_per_turn=16, max_total_tokens=2048)
+    resources = RunResources()
+    env = OpenEnvEnv(config, resources=resources)
+    try:
+        async with RolloutManager(lambda: OpenEnvEnv(config, resources=resources), list(env.tasks("train")), engine,
+                                  tokenizer, rollout) as manager:
+            groups = [g async for g in manager.groups()]
+    finally:
+        await resources.aclose()
+    assert sorted(g.task_id for g in groups) == ["train-0", "train-1", "train-2"]
+    for group in groups:
+        target = int(group.task_id.split("-")[1]) % 10 + 1  # the game's number for seed i
+        for traj in group.trajectories:
+            assert traj.error is None and traj.terminated and traj.reward == 1.0
+            assert len(traj.turns) == target  # guessed 1..target: the server ended the episode on the right one
