@@ -123,7 +123,8 @@ class OpenEnvServer:
         while loop.time() < deadline:
             text = log.read_text(errors="replace")
             found = _LISTENING.search(text)
-            if found:
+            if found:  # serving: the log file goes now (the server keeps its open file), so a killed run leaves none
+                self._drop_log()
                 return f"http://127.0.0.1:{found.group(1)}"
             if self._proc.returncode is not None:
                 break
@@ -131,13 +132,13 @@ class OpenEnvServer:
                 async with asyncio.timeout(0.05):
                     await self._proc.wait()
         tail = log.read_text(errors="replace")[-2000:]
+        state = "exited" if self._proc.returncode is not None else "timed out"
         await self.close()
-        state = "exited" if self._proc is None or self._proc.returncode is not None else "timed out"
         raise EpisodeFailure(ErrorClass.ENV, f"the OpenEnv server app={cfg.app!r} (in {cwd}) did not start "
                              f"({state} within start_timeout_s={cfg.start_timeout_s:g}); its log:\n{tail}")
 
     async def close(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 5 s) and remove its log."""
+        """Stop the server (SIGTERM, then SIGKILL after 5 s) and remove its start-up log."""
         proc, self._proc, self.url = self._proc, None, None
         if proc is not None and proc.returncode is None:
             proc.terminate()
@@ -148,6 +149,9 @@ class OpenEnvServer:
                 proc.kill()
                 async with asyncio.timeout(5.0):
                     await proc.wait()
+        self._drop_log()
+
+    def _drop_log(self) -> None:
         if self._log is not None:
             self._log.close()
             with contextlib.suppress(OSError):

@@ -260,6 +260,10 @@ asyncio.run(main())
 
 
 def test_a_killed_run_leaves_no_server(guess_dir: Path) -> None:
+    import glob
+    import tempfile
+
+    logs = set(glob.glob(f"{tempfile.gettempdir()}/agentrl-openenv-*.log"))
     run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(guess_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert run.stdout is not None
@@ -275,6 +279,7 @@ def test_a_killed_run_leaves_no_server(guess_dir: Path) -> None:
 
         time.sleep(0.05)
     assert not _alive(pid) or _zombie(pid)
+    assert set(glob.glob(f"{tempfile.gettempdir()}/agentrl-openenv-*.log")) <= logs  # nor its start-up log
 
 
 def _zombie(pid: int) -> bool:
