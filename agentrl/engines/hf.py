@@ -48,9 +48,9 @@ from pydantic import Field
 
 from agentrl.engines.base import EngineClosed as EngineClosed  # re-exported: callers catch it from here
 from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, TokenDelta, WeightSource
+from agentrl.engines.constrained import Grammars, mask_logits
 from agentrl.engines.hf_kv import KVBatch, merge, pack, past_cache, plain_kv_cache, row_kv, select
 from agentrl.engines.hf_requests import Request, finish_reason, resolve, retrieved
-from agentrl.engines.constrained import Grammars, mask_logits
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
 from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
