@@ -18,15 +18,18 @@ label the new weights with the version and resume:
 Either way the prefix cache is reset, so no later request reuses KV computed
 by old weights. vLLM is imported only when the engine is built.
 
-The weights travel by `weight_transport` (see `weight_transfer`): `shm`
-writes each bucket to /dev/shm and the workers read it back (the trainer in
-this process); `collective` has the trainer's rank 0 broadcast the buckets
-straight into vLLM's workers over a process group, through vLLM's
-weight-transfer API; `auto` picks `collective` when the trainer's rank 0 is
-another process (a `ray` trainer group). The engine forms the group at its
-first collective sync and keeps it; a sync that fails (the trainer or a worker
-died, or the group's deadline passed) raises `WeightSyncError`, and the engine
-refuses requests until a later sync, over a new group, has loaded whole weights.
+The weights travel by `weight_transport` (see `agentrl.weights.transport`):
+`shm` writes each bucket to /dev/shm and the workers read it back
+(`agentrl.weights.shm`; the trainer in this process); `collective` has the
+trainer's rank 0 broadcast the buckets straight into vLLM's workers over a
+process group, through vLLM's weight-transfer API; `auto` picks `collective`
+when the trainer's rank 0 is another process (a `ray` trainer group). The
+collective sync is run by the weight-sync coordinator
+(`agentrl.weights.sync.CollectiveSync`), with this engine as a pool of one
+(`_OneEngine`): the group is formed at the first sync and kept; a sync that
+fails (the trainer or a worker died, or the group's deadline passed) raises
+`WeightSyncError`, and the engine refuses requests until a later sync, over a
+new group, has loaded whole weights.
 """
 
 from __future__ import annotations
@@ -34,12 +37,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -48,21 +47,18 @@ from agentrl.engines.base import BusyClock, EngineClosed, EngineHealth, Sampling
 from agentrl.engines.models import resolve_model
 from agentrl.engines.vllm_stats import SchedulerCounters
 from agentrl.types import Completion, FinishReason
+from agentrl.weights.shm import bucket_folder, weights_dir, write_buckets
+from agentrl.weights.shm import remove_orphaned_buckets as remove_orphaned_buckets  # re-exported
+from agentrl.weights.sync import CollectiveSync, Member, resolve_transport
 from agentrl.weights.transport import (
     VLLM_BACKEND,
-    GroupSpec,
     Transport,
-    WeightSender,
     WeightSyncError,
     check_transport,
-    group_backend,
-    sender_of,
-    together,
     vllm_backend_installed,
 )
 
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
-_BUCKETS_PREFIX = "agentrl-weights-"  # + the writing process's pid: a folder whose writer is gone is an orphan
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 # Engine args this engine sets itself: `engine_args` may not override them.
 _OWN_ARGS = frozenset(
@@ -164,7 +160,9 @@ class VLLMEngine:
         self._versioned = False  # the first generate labels the weights "0"
         self._ids = itertools.count()
         self._update_lock: asyncio.Lock | None = None
-        self._sender: WeightSender | None = None  # the trainer's end of our weight-transfer group, once formed
+        # the collective transport: this engine is the coordinator's one member (a pool of one)
+        self._sync = CollectiveSync(_OneEngine(self), timeout_s=cfg.update_timeout_s, on_gpu=_on_gpu(),
+                                    otherwise="shm", attempts=1)  # fmt: skip
         self._half_loaded: str | None = None  # why the weights are unusable (a collective sync failed midway)
         self._closed = False
         self._t0 = time.monotonic()
@@ -256,11 +254,8 @@ class VLLMEngine:
             self.last_update_s = time.monotonic() - started
             return
         async with asyncio.timeout(self.config.update_timeout_s), self._lock():
-            parent = self._weights_dir()
-            remove_orphaned_buckets(Path(parent or tempfile.gettempdir()))
-            folder = Path(tempfile.mkdtemp(prefix=f"{_BUCKETS_PREFIX}{os.getpid()}-", dir=parent))
-            try:
-                paths = await asyncio.to_thread(self._write_buckets, weights, folder)
+            with bucket_folder(weights_dir(self.config.weights_dir)) as folder:
+                paths = await asyncio.to_thread(write_buckets, weights, folder, self._serving_dtype())
                 keep = self.config.update_mode == "continue_new"
                 await self._llm.pause_generation(mode="keep" if keep else "wait", clear_cache=not keep)
                 try:
@@ -272,8 +267,6 @@ class VLLMEngine:
                     self.policy_version = version
                 finally:
                     await self._llm.resume_generation()
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
         self.updates += 1
         self.last_update_s = time.monotonic() - started
 
@@ -284,11 +277,8 @@ class VLLMEngine:
 
     def transport_for(self, weights: WeightSource) -> str:
         """The transport this engine uses for `weights` (`weight_transport`, with `auto` resolved)."""
-        chosen = self.config.weight_transport
-        if chosen == "auto":
-            sender = sender_of(weights)
-            return "collective" if self._collective_ok and sender is not None and not sender.local else "shm"
-        return chosen
+        return resolve_transport(self.config.weight_transport, weights, collective_ok=self._collective_ok,
+                                 remote_only=True, otherwise="shm")  # fmt: skip
 
     # -- the collective transport: this engine's workers in the trainer's weight-transfer group -----------
 
@@ -323,7 +313,11 @@ class VLLMEngine:
         loads nothing: the benchmark's baseline. A failure leaves the weights half-loaded: the
         engine refuses requests until a later receive succeeds.
         """
-        async with asyncio.timeout(self.config.update_timeout_s), self._lock():
+        async with self._lock():
+            await self._receive_within(version, bare_bytes, bare_chunk)
+
+    async def _receive_within(self, version: int, bare_bytes: int = 0, bare_chunk: int = 1 << 28) -> None:
+        async with asyncio.timeout(self.config.update_timeout_s):
             await self._receive(version, bare_bytes, bare_chunk)
 
     async def _receive(self, version: int, bare_bytes: int = 0, bare_chunk: int = 1 << 28) -> None:
@@ -361,60 +355,13 @@ class VLLMEngine:
 
     async def _collective_update(self, weights: WeightSource, version: int) -> None:
         """The trainer's rank 0 broadcasts `weights` into this engine's workers (forming the group the first time)."""
-        timeout = self.config.update_timeout_s
         try:
-            async with asyncio.timeout(timeout), self._lock():
-                sender = self._sender
-                if sender is None:
-                    sender = sender_of(weights)
-                    if sender is None:
-                        raise ValueError(
-                            f"engine.weight_transport=collective: the trainer's weights ({type(weights).__name__}) "
-                            "cannot be broadcast (no weight_sender()); use weight_transport=shm"
-                        )
-                    host, port = await sender.rendezvous()
-                    spec = GroupSpec(host, port, 1 + self.weight_workers(), timeout,
-                                     backend=group_backend(sender.device, _on_gpu()))  # fmt: skip
-                    await together(sender.connect(spec), self.join_weight_group(spec.worker_init(1)))
-                    self._sender = sender
-                await together(self._receive(version), sender.send(weights, self.serving_dtype(), timeout))
-        except BaseException as e:
-            await self._drop_group()
-            if isinstance(e, ValueError | asyncio.CancelledError):
-                raise
+            async with self._lock():
+                await self._sync.update(weights, version)
+        except WeightSyncError as e:
             raise WeightSyncError(
-                f"vllm engine ({self.model_path}): collective weight sync to version {version} failed: "
-                f"{type(e).__name__}: {e or 'no answer within engine.update_timeout_s=' + str(timeout) + 's'}"
+                f"vllm engine ({self.model_path}): collective weight sync to version {version} failed: {e}"
             ) from e
-
-    async def _drop_group(self) -> None:
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            await sender.close()
-        await self.leave_weight_group()
-
-    def _weights_dir(self) -> str | None:
-        if self.config.weights_dir is not None:
-            return self.config.weights_dir
-        return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-    def _write_buckets(self, weights: WeightSource, folder: Path) -> list[str]:
-        """Each bucket as a safetensors file in `folder`, cast to the serving dtype (off the event loop)."""
-        from safetensors.torch import save_file
-
-        dtype = self._serving_dtype()
-        paths = []
-        for i, bucket in enumerate(weights.buckets()):
-            tensors = {}
-            for name, tensor in bucket:
-                t = tensor.detach().to("cpu")
-                if t.is_floating_point() and dtype is not None:
-                    t = t.to(dtype)
-                tensors[name] = t.contiguous()
-            path = folder / f"bucket-{i:05d}.safetensors"
-            save_file(tensors, str(path))
-            paths.append(str(path))
-        return paths
 
     def _serving_dtype(self) -> Any:
         return self._llm.model_config.dtype
@@ -460,9 +407,7 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
-        if self._sender is not None:
-            await self._sender.close()
-            self._sender = None
+        await self._sync.close()
         # on the loop's thread: shutdown first cancels vLLM's output task, which belongs to this loop
         self._llm.shutdown()
         self._llm = None  # dropped now, not at interpreter exit (where its __del__ fails noisily)
@@ -474,23 +419,61 @@ class VLLMEngine:
         await self.close()
 
 
+class _OneEngine:
+    """A vllm engine as the weight-sync coordinator's `Fleet` of one member (itself), and as that member.
+
+    Nothing is replaced: a failed sync leaves the engine refusing requests
+    until a later one loads whole weights (`VLLMEngine._receive`).
+    """
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self._engine = engine
+
+    async def targets(self) -> list[int]:
+        return [0]
+
+    def member(self, index: int) -> Member:
+        return self
+
+    def describe(self, index: int) -> str:
+        return f"the engine ({self._engine.model_path})"
+
+    def lost(self, index: int, member: Member, line: str) -> None:
+        pass  # the engine cannot replace itself: the sync fails and says why
+
+    def hold(self, index: int) -> None:
+        pass  # a failed receive already marks the weights half-loaded
+
+    def synced(self, targets: list[int]) -> None:
+        pass
+
+    async def weight_workers(self, timeout_s: float) -> int:
+        return self._engine.weight_workers()
+
+    async def serving_dtype(self, timeout_s: float) -> str:
+        return self._engine.serving_dtype()
+
+    async def join(self, init_info: dict[str, Any], timeout_s: float) -> None:
+        async with asyncio.timeout(timeout_s):
+            await self._engine.join_weight_group(init_info)
+
+    async def receive(self, version: int, timeout_s: float) -> None:
+        async with asyncio.timeout(timeout_s):
+            await self._engine._receive_within(version)
+
+    async def leave(self, timeout_s: float) -> None:
+        await self._engine.leave_weight_group()  # bounded and best effort itself
+
+    async def ping(self, timeout_s: float) -> bool:
+        async with asyncio.timeout(timeout_s):
+            return await self._engine.ping()
+
+    def died(self, exc: BaseException) -> bool:
+        return False  # in this process: never "gone", only failed or hung
+
+
 def _on_gpu() -> bool:
     """Whether vLLM runs on CUDA GPUs here (its workers then receive a broadcast over nccl)."""
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cuda())
-
-
-def remove_orphaned_buckets(parent: Path) -> list[Path]:
-    """Delete `shm` bucket folders under `parent` whose writing process is gone (killed mid-sync); return them.
-
-    Such a folder holds a whole model's weights in RAM (/dev/shm) until the
-    machine reboots; the next sync on the machine removes it.
-    """
-    removed = []
-    for folder in parent.glob(f"{_BUCKETS_PREFIX}*-*"):
-        pid = folder.name.removeprefix(_BUCKETS_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed

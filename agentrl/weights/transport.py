@@ -5,7 +5,7 @@ Four transports, chosen per engine plugin (`engine.weight_transport`):
 - `collective`: the OpenRLHF way. The trainer's rank 0 and every worker of
   every vLLM engine form one process group (gloo on CPUs, a backend this
   package registers with vLLM's `WeightTransferEngineFactory` as
-  `agentrl_gloo`; see `weight_transfer_gloo`), and the trainer broadcasts the
+  `agentrl_gloo`; see `gloo_backend`), and the trainer broadcasts the
   weights bucket by bucket straight into the workers through vLLM's
   weight-transfer API (`init_weight_transfer_engine`, `start_weight_update`,
   `update_weights`, `finish_weight_update`). The driver only orchestrates: it

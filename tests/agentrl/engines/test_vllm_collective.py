@@ -79,10 +79,10 @@ async def test_a_collective_sync_serves_the_trainers_weights(engine: Any, tiny_l
 @pytest.mark.asyncio(loop_scope="module")
 async def test_later_syncs_reuse_the_group_and_running_requests_switch(engine: Any, tiny_llama64_path: str) -> None:
     """continue_new: a request running across the sync goes on with the new weights, tokens labelled by version."""
-    sender = engine._sender
+    sender = engine._sync.sender
     before = load_model(tiny_llama64_path, seed=8)
     await engine.update_weights(_source(before), 2)
-    assert engine._sender is sender  # the group formed at the first sync is kept
+    assert engine._sync.sender is sender  # the group formed at the first sync is kept
     engine.config.stop_on_eos = False
     try:
         running = asyncio.create_task(engine.generate(PROMPT, Sampling(max_tokens=400, seed=5)))
@@ -151,7 +151,7 @@ async def test_a_stalled_sync_fails_within_its_deadline_and_the_next_one_recover
     with pytest.raises(WeightSyncError, match=rf"vllm engine \(.*\): collective weight sync to version {version + 1} failed"):
         await engine.update_weights(_StallingSource(_source(load_model(tiny_llama64_path, seed=5)), DEADLINE_S + 5), version + 1)
     assert time.monotonic() - started < DEADLINE_S + 10
-    assert engine.policy_version == version and engine._sender is None  # the broken group is dropped
+    assert engine.policy_version == version and engine._sync.sender is None  # the broken group is dropped
     with pytest.raises(EngineClosed, match="weight sync failed midway"):  # half-loaded weights never serve
         await engine.generate(PROMPT, Sampling(max_tokens=4, seed=1))
     assert not (await engine.health()).ok
