@@ -155,7 +155,7 @@ async def measure_pool(name: str, path: str, model: Any, args: argparse.Namespac
 
         _nudge(model, 2)
         source = _source(model, args.bucket_mb)
-        sender = pool._sender
+        sender = pool._sync.sender  # the trainer's end of the group the coordinator formed
         stats: dict[str, float] = {}
         original_send = sender.send
 
@@ -172,7 +172,7 @@ async def measure_pool(name: str, path: str, model: Any, args: argparse.Namespac
         res.peak_extra, res.sender_peak = peak.extra, stats.get("peak_buffer_bytes", 0.0)
 
         nbytes = int(stats["bytes"])  # the same bytes, bare, between the same processes over the same group
-        receivers = [h.receive_weights.remote(2, nbytes, bucket) for h in pool._members]
+        receivers = [h.receive_weights.remote(2, nbytes, bucket) for h in (m.handle for m in pool._sync.members)]
         bare = await sender.send_bare(nbytes, bucket, 900)
         await asyncio.gather(*receivers)
         res.broadcast_s = bare["seconds"]

@@ -8,7 +8,7 @@ places one vLLM engine per GPU across a cluster). Requests are routed by
 and a GRPO group's siblings go to the replica whose prefix cache holds their
 prefix, unless that replica is overloaded or the others hold as much of it.
 
-Weights reach the replicas by `weight_transport` (see `weight_transfer`):
+Weights reach the replicas by `weight_transport` (see `agentrl.weights.transport`):
 
 - `collective` (what `auto` picks for vLLM replicas): the trainer's rank 0 and
   every vLLM worker of every replica form one process group, and rank 0
@@ -39,14 +39,13 @@ only at syncs, never while a training step changes them). When every replica
 is dead, requests wait for a restart (within their deadline) instead of
 failing.
 
-A collective sync has deadlines throughout: each member's part must end
-within `update_timeout_s` (the group's own collective timeout too). A replica
-that died, or that no longer answers a short ping after the deadline (hung),
-is named in a warning and in `health()`, killed and replaced; the sync is
-then run again, over a new group, for the replicas that are still fine, so
-the run goes on. Only when no replica could take the weights does
+A collective sync is run by the weight-sync coordinator
+(`agentrl.weights.sync.CollectiveSync`, the pool is its `Fleet`): deadlines
+throughout (`update_timeout_s`); a replica that died or hung is named in a
+warning and in `health()`, killed and replaced, and the sync runs again over a
+new group for the others. Only when no replica could take the weights does
 `update_weights` raise (`WeightSyncError`, naming each replica and what
-happened to it). `health()` and `stats()` report all of it. Ray is imported
+happened to it). The actor shim is `ray_replica._Replica`. Ray is imported
 only when the pool is built.
 """
 
@@ -56,8 +55,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -69,104 +68,18 @@ from agentrl.engines.base import (
     Sampling,
     WeightSource,
 )
+from agentrl.engines.ray_replica import ReplicaMember, ReplicaSpec, _Replica, cancel
 from agentrl.engines.routing import PrefixRouter
-from agentrl.registry import PluginRef, Plugins
+from agentrl.registry import Plugins
 from agentrl.run.ray_runtime import actor_died, check_resources, require_free, start_or_join
-from agentrl.types import JSON, Completion
-from agentrl.weights.transport import (
-    GroupSpec,
-    Transport,
-    WeightSender,
-    WeightSyncError,
-    check_transport,
-    group_backend,
-    sender_of,
-    together,
-)
+from agentrl.types import Completion
+from agentrl.weights.sync import CollectiveSync, Member, resolve_transport
+from agentrl.weights.transport import Transport, WeightSyncError, check_transport
+
+__all__ = ["RayEnginePool", "ReplicaDied", "ReplicaSpec"]
 
 log = logging.getLogger(__name__)
 _POOL_TRANSPORTS = ("auto", "collective", "object_store")
-_PING_S = 10.0  # how long a replica has to answer after a failed sync before it counts as hung
-
-
-class ReplicaSpec(PluginRef):
-    """The engine plugin each replica runs, and its params (model and dtype come from the pool)."""
-
-    kind: ClassVar[str] = "engines"
-    name: str = Field(default="hf", description="engine plugin of each replica, e.g. hf or vllm")
-    params: dict[str, JSON] = Field(default_factory=dict, description="options of that engine (its Config)")
-
-    @field_validator("name")
-    @classmethod
-    def _not_a_pool(cls, name: str) -> str:
-        if name == "ray":
-            raise ValueError("a ray replica cannot itself be a ray pool")
-        return name
-
-
-class _Replica:
-    """The Ray actor: one engine, built in the actor's process; async methods run on its event loop."""
-
-    def __init__(self, engine_cls: Any, params: dict[str, Any]) -> None:
-        self.engine = engine_cls.from_config(engine_cls.Config(**params))
-
-    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
-        completion: Completion = await self.engine.generate(prompt_ids, sampling)
-        return completion
-
-    async def update_weights(self, bucket_refs: list[Any], version: int) -> None:
-        buckets = [await ref for ref in bucket_refs]  # fetched without blocking this actor's event loop
-        await self.engine.update_weights(_Buckets(buckets), version)
-
-    async def health(self) -> EngineHealth:
-        health: EngineHealth = await self.engine.health()
-        return health
-
-    # the collective transport (a vllm engine): this replica's workers in the trainer's weight-transfer group
-
-    def weight_workers(self) -> int:
-        return int(self._collective().weight_workers())
-
-    def serving_dtype(self) -> str:
-        return str(self._collective().serving_dtype())
-
-    async def join_weight_group(self, init_info: dict[str, Any]) -> None:
-        await self._collective().join_weight_group(init_info)
-
-    async def receive_weights(self, version: int, bare_bytes: int = 0, bare_chunk: int = 1 << 28) -> None:
-        await self._collective().receive_weights(version, bare_bytes=bare_bytes, bare_chunk=bare_chunk)
-
-    async def leave_weight_group(self) -> None:
-        await self._collective().leave_weight_group()
-
-    async def ping(self) -> bool:
-        """True when the engine answers (its model process included, where it has one)."""
-        ping = getattr(self.engine, "ping", None)
-        return bool(await ping()) if ping is not None else True
-
-    def _collective(self) -> Any:
-        if not hasattr(self.engine, "join_weight_group"):
-            raise WeightSyncError(f"engine {type(self.engine).__name__} cannot join a weight-transfer group")
-        return self.engine
-
-    def node(self) -> str:
-        """The Ray node this replica runs on."""
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id())
-
-    async def close(self) -> None:
-        await self.engine.close()
-
-
-class _Buckets:
-    """A WeightSource over buckets already fetched from Ray's object store."""
-
-    def __init__(self, buckets: list[Sequence[tuple[str, Any]]]) -> None:
-        self._buckets = buckets
-
-    def buckets(self) -> Iterator[Sequence[tuple[str, Any]]]:
-        yield from self._buckets
 
 
 class ReplicaDied(EngineClosed):
@@ -288,14 +201,10 @@ class RayEnginePool:
         self._nodes: list[str] = []  # the Ray node of each replica
         self._busy = [BusyClock() for _ in range(cfg.replicas)]  # per replica: time with a request of ours there
         self._update_lock: asyncio.Lock | None = None
-        # the collective transport: the trainer's end of the group, the replica handles in it (in rank order),
-        # their worker counts, and replacements waiting for the next sync to load them
-        self._sender: WeightSender | None = None
-        self._members: list[Any] = []
-        self._workers: dict[Any, int] = {}
+        # the collective transport (agentrl.weights.sync) and the replacements waiting for its next sync
+        self._sync = CollectiveSync(self, timeout_s=cfg.update_timeout_s, on_gpu=cfg.num_gpus > 0,
+                                    otherwise="object_store", size=cfg.replicas)  # fmt: skip
         self._awaiting: dict[int, asyncio.Future[None]] = {}
-        self._collective_used = False
-        self.sync_failures: list[str] = []  # what went wrong in collective syncs, one line per replica failure
         self._closed = False
         try:
             # a replica's first call returns once its engine is built (or raises what building it raised)
@@ -328,7 +237,7 @@ class RayEnginePool:
                     served = prompt + completion.ids
                     return completion
                 except asyncio.CancelledError:
-                    _cancel(ref)
+                    cancel(ref)
                     raise
                 except BaseException as e:
                     if not actor_died(e):
@@ -341,11 +250,14 @@ class RayEnginePool:
 
     def transport_for(self, weights: WeightSource) -> str:
         """The transport the pool uses for `weights` (`weight_transport`, with `auto` resolved)."""
-        chosen = self.config.weight_transport
-        if chosen == "auto":
-            vllm = self.config.replica.name == "vllm"
-            return "collective" if vllm and sender_of(weights) is not None else "object_store"
-        return chosen
+        vllm = self.config.replica.name == "vllm"
+        return resolve_transport(self.config.weight_transport, weights, collective_ok=vllm, remote_only=False,
+                                 otherwise="object_store")  # fmt: skip
+
+    @property
+    def sync_failures(self) -> list[str]:
+        """What went wrong in collective syncs, one line per replica failure (run-long)."""
+        return self._sync.failures
 
     async def update_weights(self, weights: WeightSource, version: int) -> None:
         """Every live replica (and each replacement waiting for weights) loads `weights`, then serves `version`."""
@@ -384,130 +296,56 @@ class RayEnginePool:
     async def _collective_update(self, weights: WeightSource, version: int) -> None:
         """Broadcast `weights` from the trainer's rank 0 into every target replica; replace the ones that fail.
 
-        Targets are the live replicas and the replacements waiting for weights.
-        A failed attempt names each replica that died or hung (they are killed
-        and replaced) and runs again, over a new group, for the others (the
-        trainer is at a sync point: its weights do not move meanwhile).
+        Targets are the live replicas and the replacements waiting for weights
+        (`agentrl.weights.sync.CollectiveSync` runs the sync and its retry).
         """
-        sender = self._sender or sender_of(weights)
-        if sender is None:
-            raise ValueError(
-                f"engine.weight_transport=collective: the trainer's weights ({type(weights).__name__}) cannot be "
-                "broadcast (no weight_sender()); use weight_transport=object_store"
-            )
-        self._sender, self._collective_used = sender, True
         async with self._updating():
-            for attempt in (1, 2):
-                targets = await self._targets_or_wait()
-                if not targets:
-                    break
-                failures = await self._attempt(sender, targets, weights, version)
-                if not failures:
-                    for i in targets:
-                        self._router.revive(i)
-                        waiting = self._awaiting.pop(i, None)
-                        if waiting is not None and not waiting.done():
-                            waiting.set_result(None)
-                    self.policy_version = version
-                    return
-                log.warning("collective weight sync to version %d (attempt %d): %s", version, attempt, "; ".join(failures))
-            recent = "; ".join(self.sync_failures[-len(self._router.alive) :]) or "every replica is dead"
-            raise WeightSyncError(f"collective weight sync to version {version} reached no engine replica: {recent}")
+            await self._sync.update(weights, version)
+            self.policy_version = version
 
-    def _targets(self) -> list[int]:
-        return [i for i, ok in enumerate(self._router.alive) if ok] + sorted(self._awaiting)
+    # the coordinator's view of the pool (agentrl.weights.sync.Fleet)
 
-    async def _targets_or_wait(self) -> list[int]:
+    async def targets(self) -> list[int]:
         """The replicas to sync; when none is live but some restart, wait (update_timeout_s) for one to be built."""
         deadline = asyncio.get_running_loop().time() + self.config.update_timeout_s
         while not self._targets() and self._restarting and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.5)
         return self._targets()
 
-    async def _attempt(self, sender: WeightSender, targets: list[int], weights: WeightSource, version: int) -> list[str]:
-        """One sync of `targets` (forming the group first when its members changed); what failed, per replica."""
-        timeout = self.config.update_timeout_s
-        handles = [self._replicas[i] for i in targets]
-        outcomes: dict[int, BaseException | None] = {}
-        sent: BaseException | None = None
-        try:
-            if handles != self._members:
-                await self._form_group(sender, handles, timeout)
-            dtype = await _within(handles[0].serving_dtype.remote(), timeout)
-            calls = {i: asyncio.ensure_future(_within(h.receive_weights.remote(version), timeout + 5))
-                     for i, h in zip(targets, handles, strict=True)}  # fmt: skip
-            sending = asyncio.ensure_future(sender.send(weights, str(dtype), timeout))
-            await asyncio.wait([*calls.values(), sending])
-            outcomes = {i: call.exception() for i, call in calls.items()}
-            sent = sending.exception()
-        except Exception as e:  # forming the group failed: the probes below find out who is to blame
-            outcomes, sent = {}, e
-        if sent is None and all(e is None for e in outcomes.values()):
-            return []
-        await self._drop_group(sender)
-        return await self._blame(targets, handles, outcomes, sent, version)
+    def _targets(self) -> list[int]:
+        return [i for i, ok in enumerate(self._router.alive) if ok] + sorted(self._awaiting)
 
-    async def _form_group(self, sender: WeightSender, handles: list[Any], timeout: float) -> None:
-        """A fresh group of the trainer's rank 0 and every worker of `handles` (ranks in that order)."""
-        await self._drop_group(sender)
-        for h in handles:
-            if h not in self._workers:
-                self._workers[h] = int(await _within(h.weight_workers.remote(), timeout))
-        host, port = await sender.rendezvous()
-        offsets, rank = [], 1
-        for h in handles:
-            offsets.append(rank)
-            rank += self._workers[h]
-        spec = GroupSpec(host, port, rank, timeout, backend=group_backend(sender.device, self.config.num_gpus > 0))
-        joins = [_within(h.join_weight_group.remote(spec.worker_init(o)), timeout + 15)
-                 for h, o in zip(handles, offsets, strict=True)]  # fmt: skip
-        await together(sender.connect(spec), *joins)
-        self._members = list(handles)
+    def member(self, index: int) -> Member:
+        return ReplicaMember(self._replicas[index])
 
-    async def _drop_group(self, sender: WeightSender) -> None:
-        """Leave the current group on every end (best effort: a member may be dead)."""
-        members, self._members = self._members, []
-        await sender.close()
-        if members:
-            await asyncio.gather(*(_within(h.leave_weight_group.remote(), 40) for h in members), return_exceptions=True)
+    def describe(self, index: int) -> str:
+        return f"engine replica {index} (node {self._node_of(index)})"
 
-    async def _blame(
-        self, targets: list[int], handles: list[Any], outcomes: dict[int, BaseException | None],
-        sent: BaseException | None, version: int,
-    ) -> list[str]:
-        """Name what failed; kill and replace replicas that died or hung; the rest wait for the retry."""
+    def lost(self, index: int, member: Member, line: str) -> None:
+        """Kill a replica that died or hung during a sync and replace it (a failed replacement tries again)."""
         import ray
 
-        failures = []
-        for i, h in zip(targets, handles, strict=True):
-            exc = outcomes.get(i)
-            if exc is not None and actor_died(exc):
-                what: str | None = f"died ({_gist(exc)})"
-            else:
-                what = await _probe(h, self.config.update_timeout_s)
-            if what is None:
-                continue  # it answers: the failure was another member's; it takes part in the retry
-            with contextlib.suppress(Exception):
-                ray.kill(h)  # a hung replica holds its resources until killed
-            line = f"engine replica {i} (node {self._node_of(i)}) {what} during the weight sync to version {version}"
-            failures.append(line)
-            self.sync_failures.append(line)
-            if i in self._awaiting:  # a replacement that failed its first load: its restart tries again
-                waiting = self._awaiting.pop(i)
-                if not waiting.done():
-                    waiting.set_exception(WeightSyncError(line))
-            else:
-                self._lost(i, h, WeightSyncError(line))
-        if not failures:  # every replica answers: the trainer's side failed
-            cause = sent or next(e for e in outcomes.values() if e is not None)
-            line = f"the trainer's rank 0 could not broadcast version {version}: {_gist(cause)}"
-            self.sync_failures.append(line)
-            raise WeightSyncError(line) from cause
-        for i in targets:  # the others may hold half-loaded weights: no requests until the retry loads them
-            if self._router.alive[i]:
-                self._router.mark_dead(i)
-                self._awaiting.setdefault(i, asyncio.get_running_loop().create_future())
-        return failures
+        handle = member.handle if isinstance(member, ReplicaMember) else self._replicas[index]
+        with contextlib.suppress(Exception):
+            ray.kill(handle)  # a hung replica holds its resources until killed
+        if index in self._awaiting:  # a replacement that failed its first load: its restart tries again
+            waiting = self._awaiting.pop(index)
+            if not waiting.done():
+                waiting.set_exception(WeightSyncError(line))
+        else:
+            self._lost(index, handle, WeightSyncError(line))
+
+    def hold(self, index: int) -> None:
+        if self._router.alive[index]:
+            self._router.mark_dead(index)
+            self._awaiting.setdefault(index, asyncio.get_running_loop().create_future())
+
+    def synced(self, targets: list[int]) -> None:
+        for i in targets:
+            self._router.revive(i)
+            waiting = self._awaiting.pop(i, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(None)
 
     def _node_of(self, replica: int) -> str:
         return self._nodes[replica] if replica < len(self._nodes) else "?"
@@ -598,7 +436,7 @@ class RayEnginePool:
             try:
                 async with asyncio.timeout(cfg.start_timeout_s):
                     self._nodes[replica] = await handle.node.remote()  # returns once its engine is built
-                if self._collective_used:  # the next sync forms a new group with it and loads it
+                if self._sync.used:  # the next sync forms a new group with it and loads it
                     waiting = self._awaiting[replica] = asyncio.get_running_loop().create_future()
                     await waiting
                 else:
@@ -632,11 +470,7 @@ class RayEnginePool:
             task.cancel()
         import ray
 
-        if self._sender is not None:
-            try:
-                await self._sender.close()
-            except Exception as e:  # its end died with a lost trainer rank; the replicas close all the same
-                log.warning("closing the trainer's end of the weight-transfer group: %s", _gist(e))
+        await self._sync.close()  # the replicas close all the same when the trainer's end fails to
         live = [self._replicas[i] for i, ok in enumerate(self._router.alive) if ok] if ray.is_initialized() else []
         try:
             async with asyncio.timeout(self.config.update_timeout_s):
@@ -659,39 +493,3 @@ class RayEnginePool:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-async def _within(ref: Any, timeout_s: float) -> Any:
-    """A remote call's result, or TimeoutError after `timeout_s` (the call is cancelled)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await ref
-    except TimeoutError:
-        _cancel(ref)
-        raise
-
-
-async def _probe(handle: Any, deadline_s: float) -> str | None:
-    """None when a replica (its actor and its engine) answers a ping within _PING_S; else what is wrong with it."""
-    try:
-        if await _within(handle.ping.remote(), _PING_S):
-            return None
-        return "its engine is dead"
-    except TimeoutError:
-        return f"hung: no answer within engine.update_timeout_s={deadline_s}s nor to a {_PING_S:.0f}s ping afterwards"
-    except Exception as e:
-        return f"died ({_gist(e)})" if actor_died(e) else f"failed ({_gist(e)})"
-
-
-def _gist(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None)  # RayTaskError carries the replica's own exception
-    inner = cause if isinstance(cause, BaseException) else exc
-    lines = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {lines[0] if lines else 'no message'}"
-
-
-def _cancel(ref: Any) -> None:
-    import ray
-
-    with contextlib.suppress(Exception):  # the task may have finished, or its actor died
-        ray.cancel(ref)

@@ -86,12 +86,12 @@ async def test_one_broadcast_reaches_both_replicas(pool: Any, tiny_llama64_path:
     assert pool.transport_for(source) == "collective"  # auto: vllm replicas in other processes
     await pool.update_weights(source, 1)
     assert pool._weights == []  # nothing kept in (or put into) the object store
-    assert len(pool._members) == 2 and source.sent_buckets > 3
+    assert len(pool._sync.members) == 2 and source.sent_buckets > 3
     await _each_replica_serves(pool, model, 1)
     model2 = load_model(tiny_llama64_path, seed=14)
-    members = list(pool._members)
+    members = list(pool._sync.members)
     await pool.update_weights(_source(model2), 2)
-    assert pool._members == members  # same replicas: the group is kept
+    assert pool._sync.members == members  # same replicas: the group is kept
     await _each_replica_serves(pool, model2, 2)
 
 
