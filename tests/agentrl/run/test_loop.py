@@ -127,8 +127,9 @@ def _plot_and_eval_the_run(run: Path, checkpoint: Path) -> None:
     assert 0.0 <= summary["reward_mean"] <= 1.0 and {"pass@1", "pass@2"} <= summary.keys()
     assert json.loads((run / "eval.json").read_text())[-1] == summary
     with TrajectoryStore(run / "trajectories.sqlite", readonly=True) as store:
-        evals = [r for r in store.iter_records() if r.status == "eval" and r.step is None]
-        assert len(evals) == 3 * 2
+        evals = [r for r in store.iter_records() if r.status == "eval"]
+        assert len(evals) == 3 * 2 and {r.step for r in evals} == {3}  # under the evaluated checkpoint's step
+    assert summary["step"] == 3
 
 
 async def _replay_serves_the_run(run: Path) -> None:
