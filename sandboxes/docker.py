@@ -141,6 +141,34 @@ class SupervisorKilled(Exception):
     """The in-container fork server died of SIGKILL before answering."""
 
 
+def exec_with_stdin(
+    api: Any, container_id: str, argv: list[str], payload: bytes, deadline_s: float, *, user: str, workdir: str
+) -> tuple[str, bytes, bytes]:
+    """Run `argv` in the container with `payload` on its stdin; (exec id, stdout, stderr) once it closes them.
+
+    The docker SDK's `exec_run` has no timeout: the raw socket gets `deadline_s` for every read.
+    """
+    exec_id: str = api.exec_create(container_id, argv, stdin=True, stdout=True, stderr=True,
+                                   user=user, workdir=workdir, environment={})["Id"]  # fmt: skip
+    sock = api.exec_start(exec_id, socket=True)
+    raw: socket.socket = getattr(sock, "_sock", sock)
+    try:
+        raw.settimeout(deadline_s)
+        raw.sendall(payload)
+        raw.shutdown(socket.SHUT_WR)
+        chunks = []
+        while True:
+            b = raw.recv(1 << 16)
+            if not b:
+                break
+            chunks.append(b)
+    finally:
+        with contextlib.suppress(OSError):
+            sock.close()
+    out, err = _demux(b"".join(chunks))
+    return exec_id, out, err
+
+
 def _demux(data: bytes) -> tuple[bytes, bytes]:
     """Split docker's multiplexed attach stream (8-byte frame headers) into stdout/stderr."""
     out, err, i = bytearray(), bytearray(), 0
@@ -305,24 +333,8 @@ class DockerSandbox(BaseSandbox):
 
     def _exec_sync(self, container_id: str, argv: list[str], payload: bytes, deadline_s: float) -> tuple[bytes, int]:
         api = self.client.api
-        exec_id = api.exec_create(container_id, argv, stdin=True, stdout=True, stderr=True,
-                                  user=self.config.user, workdir="/work", environment={})["Id"]
-        sock = api.exec_start(exec_id, socket=True)
-        raw: socket.socket = getattr(sock, "_sock", sock)
-        try:
-            raw.settimeout(deadline_s)
-            raw.sendall(payload)
-            raw.shutdown(socket.SHUT_WR)
-            chunks = []
-            while True:
-                b = raw.recv(1 << 16)
-                if not b:
-                    break
-                chunks.append(b)
-        finally:
-            with contextlib.suppress(OSError):
-                sock.close()
-        out, err = _demux(b"".join(chunks))
+        exec_id, out, err = exec_with_stdin(api, container_id, argv, payload, deadline_s,
+                                            user=self.config.user, workdir="/work")  # fmt: skip
         code = api.exec_inspect(exec_id).get("ExitCode")
         hello = 4 + _HDR.unpack(out[:4])[0] if len(out) >= 4 else 0
         responded = hello and len(out) >= hello + 4

@@ -25,7 +25,6 @@ import io
 import itertools
 import json
 import os
-import socket
 import struct
 import tarfile
 import time
@@ -125,29 +124,13 @@ class DockerWorkspace(Workspace):
             raise WorkspaceError(f"the docker workspace failed to start: {type(e).__name__}: {e}") from e
 
     def _exec_sync(self, payload: bytes, deadline_s: float) -> dict[str, Any]:
-        from .docker import _demux
+        from .docker import exec_with_stdin
 
         c = self.sandbox.config
         api = self.sandbox.client.api
         argv = [c.python, "-I", "-S", "/.agentrl/_wsserver.py", "once", self.spec.workdir, *self.spec.roots()]
-        exec_id = api.exec_create(self.container.id, argv, stdin=True, stdout=True, stderr=True,
-                                  user=c.workspace_user, workdir=self.spec.workdir, environment={})["Id"]
-        sock = api.exec_start(exec_id, socket=True)
-        raw: socket.socket = getattr(sock, "_sock", sock)
-        try:
-            raw.settimeout(deadline_s)
-            raw.sendall(payload)
-            raw.shutdown(socket.SHUT_WR)
-            chunks = []
-            while True:
-                b = raw.recv(1 << 16)
-                if not b:
-                    break
-                chunks.append(b)
-        finally:
-            with contextlib.suppress(OSError):
-                sock.close()
-        out, err = _demux(b"".join(chunks))
+        exec_id, out, err = exec_with_stdin(api, self.container.id, argv, payload, deadline_s,
+                                            user=c.workspace_user, workdir=self.spec.workdir)  # fmt: skip
         frames = []
         i = 0
         while i + 4 <= len(out):
