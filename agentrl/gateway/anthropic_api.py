@@ -24,7 +24,6 @@ from agentrl.gateway.protocol import (
     ChatRequest,
     ChatResult,
     Constraint,
-    Event,
     GatewayError,
     TrainerSampling,
     bad,
@@ -32,6 +31,7 @@ from agentrl.gateway.protocol import (
     forced_call,
     tool_call,
 )
+from agentrl.gateway.streaming import Event
 from agentrl.types import Message, ToolCall
 
 THREADS_KEPT = 256  # replies held per session for `thread: continue`

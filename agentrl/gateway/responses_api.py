@@ -32,7 +32,6 @@ from agentrl.gateway.protocol import (
     ChatRequest,
     ChatResult,
     Constraint,
-    Event,
     GatewayError,
     TrainerSampling,
     bad,
@@ -43,6 +42,7 @@ from agentrl.gateway.protocol import (
     text_of,
     tool_call,
 )
+from agentrl.gateway.streaming import Event
 from agentrl.types import Message
 
 RESPONSES_KEPT = 256  # stored responses per session, for previous_response_id

@@ -30,12 +30,7 @@ from aiohttp import web
 from agentrl.gateway import anthropic_api, responses_api
 from agentrl.gateway.config import GatewayConfig
 from agentrl.gateway.protocol import (
-    STREAM_MARKERS,
-    AnswerWriter,
     ChatRequest,
-    ChatWriter,
-    ContentStream,
-    Event,
     GatewayError,
     bad,
     chat_response,
@@ -45,6 +40,7 @@ from agentrl.gateway.protocol import (
     parse_chat_request,
 )
 from agentrl.gateway.session import Backend, Session
+from agentrl.gateway.streaming import STREAM_MARKERS, AnswerWriter, ChatWriter, ContentStream, Event
 
 if TYPE_CHECKING:
     from agentrl.gateway.episodes import EpisodeBoard

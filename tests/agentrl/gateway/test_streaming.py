@@ -16,7 +16,7 @@ from agentrl.chat.conversation import Budgets, HFChatTokenizer
 from agentrl.engines.base import Sampling, TokenDelta, generate_stream, join_deltas
 from agentrl.engines.scripted import ScriptedEngine
 from agentrl.gateway import Gateway, GatewayConfig
-from agentrl.gateway.protocol import STREAM_MARKERS, ContentStream
+from agentrl.gateway.streaming import STREAM_MARKERS, ContentStream
 from agentrl.types import Completion
 
 pytestmark = pytest.mark.model
