@@ -55,6 +55,7 @@ from agentrl.engines.hf_sampling import RowSampling, sample_rows
 from agentrl.engines.models import resolve_model
 from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix
 from agentrl.types import Completion
+from agentrl.weights.buckets import copy_buckets_into
 
 _Batch = KVBatch[Request]  # the running rows and their KV cache (agentrl.engines.hf_kv)
 
@@ -438,20 +439,7 @@ class HFEngine:
             # before the first tensor lands (a failed copy still leaves changed weights)
             self._weights_epoch += 1
             self._prefix.clear()
-            for bucket in weights.buckets():
-                for name, tensor in bucket:
-                    target = params.get(name)
-                    if target is None:
-                        raise KeyError(
-                            f"update_weights: unknown parameter {name!r} "
-                            f"(the model has e.g. {', '.join(list(params)[:3])})"
-                        )
-                    if tuple(target.shape) != tuple(tensor.shape):
-                        raise ValueError(
-                            f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                            f"the model expects {tuple(target.shape)}"
-                        )
-                    target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            copy_buckets_into(params, weights.buckets())
             self.policy_version = version
 
     def busy_seconds(self) -> float:

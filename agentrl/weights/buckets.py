@@ -142,3 +142,24 @@ def _merged_lora_tensors(peft_model: nn.Module) -> Iterator[tuple[str, torch.Ten
                 yield clean, (t + deltas[mod_name].to(t.dtype)).detach()
                 continue
         yield clean, t
+
+
+def copy_buckets_into(params: dict[str, torch.Tensor], buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
+    """The receiving end in one process: copy each named tensor into the parameter (or buffer) of that name.
+
+    An unknown name or another shape is an error naming it, before anything of
+    that tensor is copied; the device and dtype are the target's.
+    """
+    for bucket in buckets:
+        for name, tensor in bucket:
+            target = params.get(name)
+            if target is None:
+                raise KeyError(
+                    f"update_weights: unknown parameter {name!r} (the model has e.g. {', '.join(list(params)[:3])})"
+                )
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
