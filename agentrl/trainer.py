@@ -76,6 +76,20 @@ class ClosableTrainer(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class AdapterTrainer(Protocol):
+    """A LoRA trainer whose policy an engine in its process can sample with (`BaseSharingEngine`).
+
+    `lora_policy_for_engine()` is the policy module to share (None when it cannot
+    be shared: several processes, no LoRA); `adapter_for_engines()` the adapter's
+    tensors alone, what a sync hands such an engine.
+    """
+
+    def lora_policy_for_engine(self) -> Any: ...
+
+    def adapter_for_engines(self) -> WeightSource: ...
+
+
 def group_samples(groups: Sequence[Group]) -> list[list[TrainSample]]:
     """The trainer's view (`Trajectory.tokens()`) of each group's trajectories, group by group; empty groups dropped."""
     return [[t.tokens() for t in g.trajectories] for g in groups if g.trajectories]

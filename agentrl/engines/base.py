@@ -103,6 +103,28 @@ class WeightSource(Protocol):
 
 
 @runtime_checkable
+class CountedWeightSource(Protocol):
+    """A weight source that counts what it handed out (the run logs it as `weight_sync/*`)."""
+
+    sent_bytes: int
+    sent_buckets: int
+
+
+@runtime_checkable
+class BaseSharingEngine(Protocol):
+    """An engine that can sample with the trainer's own frozen base tensors (one copy of the base).
+
+    `share_base_with(trainer)` takes the trainer's LoRA policy when it offers one
+    (`agentrl.trainer.AdapterTrainer`) and says whether it did; from then on
+    `weights_wanted` is "adapter" and a sync hands the engine the adapter alone.
+    """
+
+    weights_wanted: str
+
+    def share_base_with(self, trainer: object) -> bool: ...
+
+
+@runtime_checkable
 class InferenceEngine(Protocol):
     """Token-in/token-out generation with versioned weights.
 
@@ -139,6 +161,7 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
 
 
+@runtime_checkable
 class StreamingEngine(Protocol):
     """The optional streaming half of the engine contract: tokens as they are sampled.
 
@@ -152,12 +175,11 @@ class StreamingEngine(Protocol):
 
 async def generate_stream(engine: InferenceEngine, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenDelta]:
     """The engine's tokens as they are sampled (its `generate_stream`), else its whole completion as one delta."""
-    stream = getattr(engine, "generate_stream", None)
-    if stream is None:
+    if not isinstance(engine, StreamingEngine):
         done = await engine.generate(prompt_ids, sampling)
         yield TokenDelta(list(done.ids), list(done.logprobs), list(done.versions), done.finish_reason)
         return
-    deltas: AsyncIterator[TokenDelta] = stream(prompt_ids, sampling)
+    deltas: AsyncIterator[TokenDelta] = engine.generate_stream(prompt_ids, sampling)
     try:
         async for delta in deltas:
             yield delta

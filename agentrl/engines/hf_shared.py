@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentrl.trainer import AdapterTrainer
+
 
 def inner_model(model: nn.Module) -> Any:
     """The HF causal LM inside a peft wrapper (its LoRA layers stay injected), else the model itself."""
@@ -79,10 +81,9 @@ def adopt_trainer_base(engine: Any, trainer: object) -> bool:
     dtype. The engine's own model is dropped; from then on a sync hands it the
     trainer's adapter alone (`weights_wanted == "adapter"`).
     """
-    offer = getattr(trainer, "lora_policy_for_engine", None)
-    if not engine.config.share_trainer_base or not callable(offer) or engine._worker is not None:
+    if not engine.config.share_trainer_base or not isinstance(trainer, AdapterTrainer) or engine._worker is not None:
         return False
-    policy = offer()
+    policy = trainer.lora_policy_for_engine()
     if policy is None:
         return False
     frozen = next(p for p in policy.parameters() if not p.requires_grad)

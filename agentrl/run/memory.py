@@ -27,6 +27,7 @@ import resource
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 StatusReader = Callable[[], str]
 
@@ -57,6 +58,13 @@ def _kib(field: str) -> float:
     if unit.lower() != "kb":
         raise ValueError(f"unexpected /proc/self/status unit {unit!r}")
     return float(value)
+
+
+@runtime_checkable
+class MemoryReporting(Protocol):
+    """A run part (engine, trainer) that reports its own share of the memory, in MiB per named item."""
+
+    def memory_stats(self) -> dict[str, float]: ...
 
 
 class AllocatorTrim:
@@ -137,9 +145,8 @@ class MemoryProbe:
         out["memory/rss_mb"] = rss
         out["memory/peak_rss_mb"] = peak
         for share, part in self._parts.items():
-            stats = getattr(part, "memory_stats", None)
-            if not callable(stats):
+            if not isinstance(part, MemoryReporting):
                 continue
-            for key, value in stats().items():
+            for key, value in part.memory_stats().items():
                 out[f"memory/{share}/{key}"] = float(value)
         return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from agentrl.chat.conversation import ChatTokenizer, HFChatTokenizer
 from agentrl.config import RunConfig
-from agentrl.engines.base import InferenceEngine
+from agentrl.engines.base import BaseSharingEngine, CountedWeightSource, InferenceEngine
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
 from agentrl.errors import AgentrlError, ConfigError
@@ -24,7 +24,7 @@ from agentrl.run.evaluation import EvalResult, evaluate, reward_by_env
 from agentrl.run.metrics_log import MetricsLog
 from agentrl.run.resources import RunResources
 from agentrl.store.trajectory_store import TrajectoryStore
-from agentrl.trainer import ClosableTrainer, Trainer
+from agentrl.trainer import AdapterTrainer, ClosableTrainer, Trainer
 from agentrl.types import Group, TrainSample
 
 
@@ -93,9 +93,8 @@ def build_parts(config: RunConfig) -> Parts:
     except BaseException:
         _close_trainer(trainer)
         raise
-    share = getattr(engine, "share_base_with", None)  # hf engine + LoRA trainer in one process: one base copy
-    if callable(share):
-        share(trainer)
+    if isinstance(engine, BaseSharingEngine):  # hf engine + LoRA trainer in one process: one base copy
+        engine.share_base_with(trainer)
     return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer, resources)
 
 
@@ -166,8 +165,12 @@ async def sync_weights(engine: InferenceEngine, trainer: Trainer) -> dict[str, f
     An engine that shares the trainer's frozen base (`weights_wanted == "adapter"`,
     agentrl.engines.hf_shared) is handed the adapter alone, unmerged.
     """
-    adapter = getattr(engine, "weights_wanted", "full") == "adapter"  # it samples with the trainer's own base
-    source = trainer.adapter_for_engines() if adapter else trainer.state_for_engines()  # type: ignore[attr-defined]
+    source = (  # an engine that samples with the trainer's own base gets the adapter alone
+        trainer.adapter_for_engines()
+        if isinstance(engine, BaseSharingEngine) and engine.weights_wanted == "adapter"
+        and isinstance(trainer, AdapterTrainer)
+        else trainer.state_for_engines()
+    )
     version = int(trainer.policy_version)
     started = time.perf_counter()
     await engine.update_weights(source, version)
@@ -178,11 +181,10 @@ async def sync_weights(engine: InferenceEngine, trainer: Trainer) -> dict[str, f
             f"update_weights(version={version}): the update did not take, and its samples would carry the wrong weights"
         )
     metrics = {"time/weight_sync_s": took}
-    sent = getattr(source, "sent_bytes", None)
-    if isinstance(sent, int) and sent > 0:
-        mb = sent / 2**20
+    if isinstance(source, CountedWeightSource) and source.sent_bytes > 0:
+        mb = source.sent_bytes / 2**20
         metrics |= {"weight_sync/mb": mb, "weight_sync/mb_per_s": mb / max(took, 1e-9),
-                    "weight_sync/buckets": float(getattr(source, "sent_buckets", 0))}  # fmt: skip
+                    "weight_sync/buckets": float(source.sent_buckets)}  # fmt: skip
     return metrics
 
 
