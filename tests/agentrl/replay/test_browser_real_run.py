@@ -142,7 +142,7 @@ def test_overview_opens_on_reward_with_held_out_reward(
     assert keys == ["reward/mean", "eval/reward_mean"]
     assert first.locator("path.line").evaluate_all("els => els.map(e => e.dataset.key)") == keys
     headline = page.locator("#charts > .chart").evaluate_all("els => els.map(e => e.dataset.metric)")
-    assert headline == ["reward", "success", "mismatch", "entropy", "length", "throughput", "staleness"]
+    assert headline == ["reward", "success", "mismatch", "entropy", "length", "throughput", "staleness", "memory"]
 
     rows = [json.loads(line) for line in (calculator_run / "metrics.jsonl").read_text().splitlines()]
     constant = {k for k in rows[-1] if len({r[k] for r in rows if k in r}) == 1} - {"step", "time"}
