@@ -13,7 +13,7 @@ the episode ends with an error of class `sandbox` (retried by the rollout
 manager, its group dropped when retries run out), never a zero reward in the
 group's statistics.
 
-`terminal` runs the bundled tasks (envs/data/terminal_tasks, Harbor format);
+`terminal` runs the bundled tasks (envs/data/terminal-tasks, Harbor format);
 `harbor` runs a directory of your own Harbor tasks (`tasks: DIR`). See
 docs/terminal.md.
 """
@@ -171,7 +171,7 @@ class TerminalEnv(ToolEnv[TerminalConfig]):
     def tasks_dir(self) -> Path:
         if self.config.tasks is not None:
             return Path(self.config.tasks).expanduser()
-        return Path(str(importlib_resources.files("agentrl.envs").joinpath("data/terminal_tasks")))
+        return Path(str(importlib_resources.files("agentrl.envs").joinpath("data/terminal-tasks")))
 
     def harbor_tasks(self) -> dict[str, HarborTask]:
         if self._tasks is None:

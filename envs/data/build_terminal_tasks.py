@@ -1,4 +1,4 @@
-"""Write the bundled terminal tasks (envs/data/terminal_tasks/<name>/, Harbor format).
+"""Write the bundled terminal tasks (envs/data/terminal-tasks/<name>/, Harbor format).
 
 Small offline shell tasks: files, text processing, small scripts, fixing a bug
 in a tiny package. Each has an oracle (solution/solve.sh) that passes its tests
@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-OUT = Path(__file__).with_name("terminal_tasks")
+OUT = Path(__file__).with_name("terminal-tasks")
 
 NUMBERS = "\n".join(str(n) for n in (12, 7, 45, 3, 28, 19, 8, 33)) + "\n"
 NAMES = "mallory\nalice\ntrent\nbob\ncarol\ndave\n"
