@@ -65,5 +65,7 @@ async def test_cancelling_a_manager_releases_engine_requests(tiny_llama_path: st
     async with asyncio.timeout(60):  # the worker drops the cancelled rows at its next step
         while (await engine.health()).in_flight:
             await asyncio.sleep(0.01)
+    worker = engine._worker
+    assert worker is not None and worker.name == "agentrl-hf-engine"
     await engine.close()
-    assert not any(t.name == "agentrl-hf-engine" for t in threading.enumerate())
+    assert not worker.is_alive() and worker not in threading.enumerate()  # this engine's thread (not another test's)
