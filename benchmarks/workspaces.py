@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.sandboxes.base import ExecRequest
+from agentrl.sandboxes.docker import setup_docker_host
 from agentrl.sandboxes.local import LocalConfig, LocalSandbox
 from agentrl.sandboxes.local_workspace import leftover_dirs
 from agentrl.sandboxes.workspace import WorkspaceSpec
@@ -164,11 +165,7 @@ async def oracle_part() -> float:
 
 
 def docker_available() -> bool:
-    env_file = Path("/run/agentrl/docker.env")
-    if not os.environ.get("DOCKER_HOST") and env_file.exists():
-        for line in env_file.read_text().splitlines():
-            if "DOCKER_HOST=" in line:
-                os.environ["DOCKER_HOST"] = line.split("DOCKER_HOST=", 1)[1].strip().strip("'\"")
+    setup_docker_host()
     try:
         import docker
 

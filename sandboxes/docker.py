@@ -141,6 +141,22 @@ class SupervisorKilled(Exception):
     """The in-container fork server died of SIGKILL before answering."""
 
 
+SETUP_ENV_FILE = Path("/run/agentrl/docker.env")
+"""Where .ci/setup_sandboxes.sh writes `export DOCKER_HOST=...` for the dockerd it starts."""
+
+
+def setup_docker_host(env_file: Path = SETUP_ENV_FILE) -> str | None:
+    """DOCKER_HOST, else the one the set-up script wrote (then also put into the environment), else None."""
+    if os.environ.get("DOCKER_HOST"):
+        return os.environ["DOCKER_HOST"]
+    if env_file.exists():
+        for line in env_file.read_text().splitlines():
+            if "DOCKER_HOST=" in line:
+                os.environ["DOCKER_HOST"] = line.split("DOCKER_HOST=", 1)[1].strip().strip("'\"")
+                return os.environ["DOCKER_HOST"]
+    return None
+
+
 def exec_with_stdin(
     api: Any, container_id: str, argv: list[str], payload: bytes, deadline_s: float, *, user: str, workdir: str
 ) -> tuple[str, bytes, bytes]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from agentrl.sandboxes.docker import setup_docker_host
 from agentrl.store.trajectory_store import TrajectoryStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
@@ -106,11 +107,7 @@ def docker_client() -> Iterator[Any]:
         import docker
     except ImportError:
         pytest.skip("the docker SDK is not installed")
-    env_file = Path("/run/agentrl/docker.env")
-    if not os.environ.get("DOCKER_HOST") and env_file.exists():
-        for line in env_file.read_text().splitlines():
-            if "DOCKER_HOST=" in line:
-                os.environ["DOCKER_HOST"] = line.split("DOCKER_HOST=", 1)[1].strip().strip("'\"")
+    setup_docker_host()
     try:
         client = docker.from_env(timeout=30)
         client.ping()

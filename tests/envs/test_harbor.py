@@ -10,18 +10,13 @@ import pytest
 
 from agentrl.envs.harbor import HarborFormatError, load_task, load_tasks, parse_dockerfile, parse_reward
 from agentrl.envs.terminal import HarborConfig, HarborEnv, TerminalConfig, run_oracle, run_tests
+from agentrl.sandboxes.docker import setup_docker_host
 from agentrl.types import Message, ToolCall
 
 
 def docker_skip_reason() -> str | None:
     """Why docker cases skip here (no SDK, no daemon answering, no sandbox image), or None."""
-    import os
-
-    env_file = Path("/run/agentrl/docker.env")
-    if not os.environ.get("DOCKER_HOST") and env_file.exists():
-        for line in env_file.read_text().splitlines():
-            if "DOCKER_HOST=" in line:
-                os.environ["DOCKER_HOST"] = line.split("DOCKER_HOST=", 1)[1].strip().strip("'\"")
+    setup_docker_host()
     try:
         import docker
 

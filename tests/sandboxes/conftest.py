@@ -21,25 +21,12 @@ import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agentrl.sandboxes.base import ExecRequest
-
-DOCKER_ENV_FILE = Path("/run/agentrl/docker.env")
-
-
-def _docker_host() -> str | None:
-    if os.environ.get("DOCKER_HOST"):
-        return os.environ["DOCKER_HOST"]
-    if DOCKER_ENV_FILE.exists():
-        for line in DOCKER_ENV_FILE.read_text().splitlines():
-            if "DOCKER_HOST=" in line:
-                os.environ["DOCKER_HOST"] = line.split("DOCKER_HOST=", 1)[1].strip().strip("'\"")
-                return os.environ["DOCKER_HOST"]
-    return None
+from agentrl.sandboxes.docker import setup_docker_host
 
 
 def docker_skip_reason() -> str | None:
@@ -48,7 +35,7 @@ def docker_skip_reason() -> str | None:
         import docker
     except ImportError:
         return "the docker SDK is not installed"
-    host = _docker_host()
+    host = setup_docker_host()
     try:
         client = docker.DockerClient(base_url=host, timeout=10) if host else docker.from_env(timeout=10)
         client.ping()
