@@ -75,6 +75,8 @@ class StepResult:
     truncation_reason: str | None = None
     tool_errors: int | None = None
     tool_timeouts: int | None = None
+    agent_rewards: dict[str, float] | None = None  # multi-agent envs (`TurnTaking`): this step's reward of
+    # every agent it rewards, by agent id; None: `reward` is the acting agent's alone
 
 
 @runtime_checkable
@@ -100,6 +102,39 @@ class EpisodeDriver(Protocol):
         group_id: str,
         sample_index: int,
     ) -> list[Trajectory]: ...
+
+
+@runtime_checkable
+class TurnTaking(Protocol):
+    """A multi-agent env: agents act in turn, each with its own view (PettingZoo's AEC cycle, in messages).
+
+    After `reset`, `agents()` names every agent of the episode and
+    `current_agent()` the one whose action the next `step` applies (None: the
+    episode is over). `observe(agent)` returns the messages `agent` has not yet
+    seen: the env's reports of the other agents' moves and of the game, each
+    message once (a second call returns only what came since). `reset`'s opening
+    messages are every agent's first messages. A step's `StepResult.messages`
+    go to the agent that acted; `StepResult.agent_rewards` rewards any agent
+    (a game's win and loss at its end), else `reward` is the acting agent's.
+
+    The run maps each agent id to a policy (`agents:` in the run config). An
+    env that can play an agent itself (a random or scripted opponent, a policy
+    that does not train) also offers `OpponentMoves`.
+    """
+
+    def agents(self) -> list[str]: ...
+
+    def current_agent(self) -> str | None: ...
+
+    def observe(self, agent: str) -> list[Message]: ...
+
+
+@runtime_checkable
+class OpponentMoves(Protocol):
+    """A multi-agent env that can move for an agent itself: `kind` "random" (a uniformly random legal move)
+    or "scripted" (the env's own fixed strategy); `seed` makes it reproducible per move."""
+
+    def opponent_move(self, agent: str, kind: str, seed: int) -> Message: ...
 
 
 class Env(ABC, Generic[ConfigT]):

@@ -161,6 +161,8 @@ class Turn:
 
     `start:end` indexes the sampled tokens of this turn in `Trajectory.token_ids`.
     `reward` is the per-turn reward the env gave at the step after it (0.0 if none).
+    `policy` names the policy that sampled it in a multi-policy run (`policies:`);
+    None in a single-policy run. Each policy trains on its own turns only.
     """
 
     start: int
@@ -168,15 +170,19 @@ class Turn:
     reward: float = 0.0
     tool_calls: list[str] = field(default_factory=list)
     info: dict[str, JSON] = field(default_factory=dict)
+    policy: str | None = None
 
     def to_dict(self) -> dict[str, JSON]:
-        return {
+        d: dict[str, JSON] = {
             "start": self.start,
             "end": self.end,
             "reward": _float_to_json(self.reward),
             "tool_calls": list(self.tool_calls),
             "info": self.info,
         }
+        if self.policy is not None:
+            d["policy"] = self.policy
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, JSON]) -> Turn:
@@ -186,6 +192,7 @@ class Turn:
             reward=_float_from_json(d.get("reward", 0.0)),
             tool_calls=list(d.get("tool_calls", [])),
             info=dict(d.get("info", {})),
+            policy=d.get("policy"),
         )
 
 
@@ -281,8 +288,19 @@ class Trajectory:
             )
         return compress(self.versions, self.loss_mask)
 
-    def tokens(self) -> TrainSample:
-        """The trainer's view of this trajectory: it shares the per-token lists (no copy; readers never write)."""
+    @property
+    def policies(self) -> list[str]:
+        """The policies that sampled this trajectory's turns, in order of first turn (empty: single-policy run)."""
+        return list(dict.fromkeys(t.policy for t in self.turns if t.policy is not None))
+
+    def tokens(self, policy: str | None = None) -> TrainSample:
+        """The trainer's view of this trajectory: it shares the per-token lists (no copy; readers never write).
+
+        With `policy`, the view of that policy's trainer: the other policies' turns
+        are context (loss mask 0), and only its own turns keep their spans and rewards.
+        """
+        if policy is not None:
+            return self._policy_tokens(policy)
         return TrainSample(
             input_ids=self.token_ids,
             loss_mask=self.loss_mask,
@@ -294,6 +312,26 @@ class Trajectory:
             group_id=self.group_id,
             trajectory_id=self.id,
             turn_states=self.turn_states(),
+        )
+
+    def _policy_tokens(self, policy: str) -> TrainSample:
+        mask = [0] * len(self.loss_mask)
+        mine = [i for i, t in enumerate(self.turns) if t.policy == policy]
+        for i in mine:
+            turn = self.turns[i]
+            mask[turn.start : turn.end] = self.loss_mask[turn.start : turn.end]
+        states = self.turn_states()
+        return TrainSample(
+            input_ids=self.token_ids,
+            loss_mask=mask,
+            behaviour_logprobs=self.logprobs,
+            versions=self.versions,
+            reward=self.reward,
+            turn_spans=[(self.turns[i].start, self.turns[i].end) for i in mine],
+            turn_rewards=[self.turns[i].reward for i in mine],
+            group_id=self.group_id,
+            trajectory_id=self.id,
+            turn_states=[states[i] for i in mine],
         )
 
     def turn_states(self) -> list[str]:

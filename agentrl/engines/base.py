@@ -9,7 +9,7 @@ The contract is shaped so that vLLM's AsyncLLM fits without an adapter layer
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -31,6 +31,8 @@ class Sampling:
     seed: int | None = None
     grammar: str | None = None  # constrained decoding (llguidance Lark, agentrl.engines.constrained); only engines
     # with `constrained_decoding = True` serve it, sampling from the masked distribution (exact logprobs)
+    adapter: str | None = None  # the named LoRA adapter that samples this request (an `AdapterEngine`'s);
+    # None: the engine's own weights (what `update_weights` set)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,7 +46,13 @@ class Sampling:
 
     def for_turn(self, max_tokens: int, seed: int | None) -> Sampling:
         """This sampling with another `max_tokens` and `seed` (one per turn of an episode; validated as any)."""
-        return Sampling(max_tokens, self.temperature, self.top_p, self.top_k, self.stop_ids, self.stop_strings, seed)
+        return Sampling(max_tokens, self.temperature, self.top_p, self.top_k, self.stop_ids, self.stop_strings, seed,
+                        self.grammar, self.adapter)
+
+    def with_adapter(self, adapter: str | None) -> Sampling:
+        """This sampling served by another adapter (one policy per agent of a multi-agent episode)."""
+        return Sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, self.stop_ids, self.stop_strings,
+                        self.seed, self.grammar, adapter)
 
 
 class EngineClosed(RuntimeError):
@@ -122,6 +130,50 @@ class BaseSharingEngine(Protocol):
     weights_wanted: str
 
     def share_base_with(self, trainer: object) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """The shape of a LoRA adapter, what an engine needs to hold one: rank, alpha (scale = alpha / rank),
+    and the module names it wraps (peft's `target_modules`, e.g. ("q_proj", "v_proj"))."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+
+def canonical_adapter_name(name: str, adapter: str = "default") -> str:
+    """A LoRA tensor's name without its adapter segment and peft prefix, as engines are handed it.
+
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight` and
+    `model.layers.0.self_attn.q_proj.lora_A.default.weight` both become
+    `model.layers.0.self_attn.q_proj.lora_A.weight`: one adapter's tensors carry
+    no name of their own, the engine files them under the name it is given.
+    """
+    name = name.removeprefix("base_model.model.")
+    return name.replace(f".lora_A.{adapter}.", ".lora_A.").replace(f".lora_B.{adapter}.", ".lora_B.")
+
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """An engine that holds several named LoRA adapters over one base (several policies, one base copy).
+
+    A request picks its adapter with `Sampling.adapter` (None: the engine's own
+    weights). `update_adapter(name, weights, version, spec)` adds adapter `name`
+    or replaces its tensors: `weights` yields its LoRA tensors under canonical
+    names (`canonical_adapter_name`: `<module>.lora_A.weight`,
+    `<module>.lora_B.weight`); afterwards `adapter_versions[name] == version`
+    and every token sampled with it carries that version (tokens a running
+    request sampled before carry the old one, as with `update_weights`).
+    `remove_adapter(name)` frees one. A request naming an adapter the engine
+    does not hold fails with `KeyError` naming the adapters it has.
+    """
+
+    adapter_versions: Mapping[str, int]
+
+    async def update_adapter(self, name: str, weights: WeightSource, version: int, spec: AdapterSpec) -> None: ...
+
+    async def remove_adapter(self, name: str) -> None: ...
 
 
 @runtime_checkable
