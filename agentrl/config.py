@@ -129,6 +129,43 @@ class WarmStartSection(_Section):
         return self
 
 
+POLICY_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+"""What a policy may be called: it names an adapter, a metrics prefix and a checkpoint folder."""
+
+ANY_AGENT = "*"
+"""`agents:` key for every agent the mapping does not name (a single-agent env's one agent is `agent`)."""
+
+
+class PolicySection(_Section):
+    """One named policy of a multi-policy run (`policies: {alice: {...}, bob: {...}}`).
+
+    A trained policy is a LoRA adapter over the run's one base model (`model.path`)
+    with its own optimizer, trainer settings, metrics (`policy/<name>/...`) and
+    checkpoint. A fixed policy (`train: false`) samples and never trains: the base
+    model alone (`adapter: false`), a frozen checkpoint (`init:`), or moves the env
+    makes itself (`opponent: random|scripted`, envs with `OpponentMoves`).
+    """
+
+    train: bool = Field(True, description="train this policy; false: a fixed opponent (it samples, never trains)")
+    trainer: dict[str, Any] = Field(
+        default_factory=dict,
+        description="this policy's trainer params over the run's trainer section (e.g. lr, kl, advantage settings)",
+    )
+    adapter: bool = Field(True, description="sample with this policy's LoRA adapter; false: the base model alone")
+    init: str | None = Field(None, description="a checkpoint directory (of `agentrl train`) this policy starts from")
+    opponent: Literal["random", "scripted"] | None = Field(
+        None, description="the env moves for this policy (random or its scripted strategy); implies train: false"
+    )
+
+    @model_validator(mode="after")
+    def _fixed_kinds(self) -> PolicySection:
+        if self.opponent is not None and self.train:
+            raise ValueError(f"opponent={self.opponent!r} moves come from the env, not a model: set train: false")
+        if not self.adapter and self.train:
+            raise ValueError("adapter: false samples with the untrained base model: set train: false")
+        return self
+
+
 class PluginSpec(BaseModel):
     """`{name: <plugin>, <param>: <value>, ...}`; params are checked by the plugin's Config."""
 
@@ -215,7 +252,40 @@ class RunConfig(_Section):
         AlertsSection.model_validate({}), description="conditions that flag or stop a run going wrong"
     )
     plugins: list[str] = Field(default_factory=list, description="user modules to import for their plugins")
+    policies: dict[Annotated[str, Field(pattern=POLICY_NAME)], PolicySection] = Field(
+        default_factory=dict,
+        description="named policies trained together (LoRA adapters over model.path); empty: one policy",
+    )
+    agents: dict[str, str] = Field(
+        default_factory=dict,
+        description="agent id -> policy name for multi-agent envs ('*': every other agent; a single-agent "
+        "env's agent is 'agent'); needs policies",
+    )
+    eval_agents: dict[str, str] = Field(
+        default_factory=dict, description="agent id -> policy during evaluation (default: agents), e.g. a fixed opponent"
+    )
     _registry: Plugins | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _agents_name_policies(self) -> RunConfig:
+        for key in ("agents", "eval_agents"):
+            mapping: dict[str, str] = getattr(self, key)
+            if mapping and not self.policies:
+                raise ValueError(f"{key} maps agents to policies, but the run has no policies: section")
+            for agent, policy in mapping.items():
+                if policy not in self.policies:
+                    raise ValueError(
+                        f"{key}.{agent}: policy {policy!r} is not one of policies: {sorted(self.policies)}"
+                    )
+        if self.policies:
+            if not any(p.train for p in self.policies.values()):
+                raise ValueError(f"policies: none of {sorted(self.policies)} trains; set train: true on one")
+            if not self.agents:
+                raise ValueError(
+                    "policies: set agents: (agent id -> policy), e.g. {player_0: alice, player_1: bob}, or "
+                    "{'*': alice} for self-play"
+                )
+        return self
 
     def registry(self) -> Plugins:
         """The Plugins this config was validated against (discovered anew if none)."""
@@ -400,10 +470,28 @@ def resolve_config(
         resolved._config = validated
         updates[section] = resolved
     config = config.model_copy(update=updates)
+    _validate_policy_trainers(plugins, config)
     trainer_raw = data.get("trainer")
     _check_sections_agree(config, trainer_device_set=isinstance(trainer_raw, dict) and "device" in trainer_raw)
     config._registry = plugins
     return config
+
+
+def _validate_policy_trainers(plugins: Plugins, config: RunConfig) -> None:
+    """Each trained policy's trainer params (the run's, then its own) are valid trainer params, with LoRA."""
+    for name, policy in config.policies.items():
+        prefix = f"policies.{name}.trainer"
+        merged = PluginSpec.model_validate({"name": config.trainer.name, **config.trainer.params, **policy.trainer})
+        try:
+            validated = _validate_section(plugins, config, "trainer", merged)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("trainer.", f"{prefix}.", 1)) from None
+        lora = getattr(validated, "lora", None) if validated is not None else None
+        if policy.train and validated is not None and "lora" in type(validated).model_fields and lora is None:
+            raise ConfigError(
+                f"{prefix}.lora: a trained policy of a multi-policy run is a LoRA adapter over the shared base; "
+                "set trainer.lora: {r: 16} (or per policy)"
+            )
 
 
 def _check_sections_agree(config: RunConfig, *, trainer_device_set: bool) -> None:

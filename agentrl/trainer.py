@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from agentrl.engines.base import WeightSource
+from agentrl.engines.base import AdapterSpec, WeightSource
 from agentrl.types import JSON, Group, TrainSample
 
 TokenStats = dict[str, list[JSON]]
@@ -86,6 +86,23 @@ class AdapterTrainer(Protocol):
     """
 
     def lora_policy_for_engine(self) -> Any: ...
+
+    def adapter_for_engines(self) -> WeightSource: ...
+
+
+@runtime_checkable
+class PolicyTrainer(Protocol):
+    """A LoRA trainer that can be one of several policies over one base (a multi-policy run).
+
+    `adapter_spec()` is the shape of its adapter (None without LoRA), what an
+    `AdapterEngine` needs to hold it; `share_base_from(other)` makes this trainer's
+    frozen base tensors *be* `other`'s (one copy of the base for N policies) and
+    says whether it did (both LoRA, same base, one process each).
+    """
+
+    def adapter_spec(self) -> AdapterSpec | None: ...
+
+    def share_base_from(self, other: object) -> bool: ...
 
     def adapter_for_engines(self) -> WeightSource: ...
 

@@ -41,3 +41,25 @@ def adapter_source(trainer: TorchTrainer, *, bucket_mb: float | None = None) -> 
         bucket_mb=bucket_mb or trainer.config.weight_bucket_mb,
         source_device=torch.device(trainer.device).type,
     )
+
+
+def share_frozen_base(trainer: TorchTrainer, other: TorchTrainer) -> bool:
+    """Make `trainer`'s frozen base tensors *be* `other`'s (one base copy for several LoRA policies).
+
+    Both must be one-process LoRA policies of the same base (same parameter names
+    and shapes); each keeps its own adapter and optimizer. Returns whether it did.
+    Only frozen parameters are replaced: the optimizer (built over the trainable
+    ones) is untouched.
+    """
+    mine, theirs = shareable_policy(trainer), shareable_policy(other)
+    if mine is None or theirs is None or mine is theirs:
+        return False
+    source = dict(theirs.named_parameters())
+    frozen = [(n, p) for n, p in mine.named_parameters() if not p.requires_grad]
+    if any(n not in source or source[n].shape != p.shape or source[n].requires_grad for n, p in frozen):
+        return False
+    for name, _ in frozen:
+        module_name, _, attr = name.rpartition(".")
+        module = mine.get_submodule(module_name) if module_name else mine
+        setattr(module, attr, source[name])
+    return True

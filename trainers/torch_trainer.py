@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentrl.trainer import Trainer, TrainStepResult, group_samples
+from agentrl.engines.base import AdapterSpec
+from agentrl.trainer import PolicyTrainer, Trainer, TrainStepResult, group_samples
 from agentrl.trainers.assembly import Models, TrainerConfigError, build_models
 from agentrl.trainers.config import TrainerConfig
 from agentrl.trainers.distributed import (
@@ -466,6 +467,17 @@ class TorchTrainer:
 
         return adapter_source(self, bucket_mb=bucket_mb)
 
+    def adapter_spec(self) -> AdapterSpec | None:
+        """The shape of this trainer's LoRA adapter (None: full fine-tuning), for an `AdapterEngine`."""
+        lora = self.config.lora
+        return None if lora is None else AdapterSpec(lora.r, lora.alpha, tuple(lora.target_modules))
+
+    def share_base_from(self, other: object) -> bool:
+        """Sample and train over `other`'s frozen base tensors (several policies, one base); True when it did."""
+        from agentrl.trainers.adapter_sync import share_frozen_base
+
+        return isinstance(other, TorchTrainer) and share_frozen_base(self, other)
+
     def memory_stats(self) -> dict[str, float]:
         """The trainer's own share of the process's memory (`memory/trainer/<key>`, MiB; `trainers.memory`)."""
         from agentrl.trainers.memory import trainer_memory_mb
@@ -493,3 +505,4 @@ class TorchTrainer:
 
 
 _IS_A_TRAINER: type[Trainer] = TorchTrainer  # mypy checks that TorchTrainer fits agentrl.trainer.Trainer
+_IS_A_POLICY_TRAINER: type[PolicyTrainer] = TorchTrainer  # ... and agentrl.trainer.PolicyTrainer

@@ -30,7 +30,8 @@ from agentrl.chat.conversation import Budgets, ChatTokenizer, Conversation
 from agentrl.engines.base import InferenceEngine, Sampling
 from agentrl.env import Env, Task
 from agentrl.rollout.config import RolloutConfig
-from agentrl.types import EpisodeError, ErrorClass, Message, Trajectory
+from agentrl.rollout.roster import Seat
+from agentrl.types import Completion, EpisodeError, ErrorClass, Message, Trajectory
 
 T = TypeVar("T")
 
@@ -93,23 +94,57 @@ async def run_episode(
     seed: int | None = None,
     group_id: str = "",
     sample_index: int = 0,
+    seat: Seat | None = None,
 ) -> Trajectory:
-    """Run one episode of `env` on `task`; never raises for episode failures (only on cancel)."""
-    episode = _Episode(env, task, engine, tokenizer, config, seed)
-    error: EpisodeError | None = None
-    try:
-        async with asyncio.timeout(config.episode_timeout_s) as episode.timer:
-            await episode.run()
-    except EpisodeFailure as e:
-        error = EpisodeError(e.error_class, str(e), turn=episode.turns())
-    except TimeoutError:  # the deadline of the call in progress, or the episode's
-        error = EpisodeError(ErrorClass.TIMEOUT, episode.timed_out(), turn=episode.turns())
-    except Exception as e:  # a contract violation inside the loop (e.g. a template problem)
-        error = EpisodeError(ErrorClass.ENV, f"{type(e).__name__}: {e}", turn=episode.turns())
+    """Run one episode of `env` on `task`; never raises for episode failures (only on cancel).
+
+    `seat` says which policy plays (a multi-policy run's `Roster`): its turns are
+    sampled with the seat's adapter and record its policy (`Turn.policy`).
+    """
+    episode = EpisodeState(env, task, engine, tokenizer, config, seed)
+    episode.seat = seat
+    error = await play(episode)
     return episode.trajectory(error, group_id=group_id, sample_index=sample_index)
 
 
-class _Episode:
+async def play(episode: EpisodeState) -> EpisodeError | None:
+    """Play `episode` under its deadline; the classified failure that ended it, or None."""
+    try:
+        async with asyncio.timeout(episode.config.episode_timeout_s) as episode.timer:
+            await episode.run()
+    except EpisodeFailure as e:
+        return EpisodeError(e.error_class, str(e), turn=episode.turns())
+    except TimeoutError:  # the deadline of the call in progress, or the episode's
+        return EpisodeError(ErrorClass.TIMEOUT, episode.timed_out(), turn=episode.turns())
+    except Exception as e:  # a contract violation inside the loop (e.g. a template problem)
+        return EpisodeError(ErrorClass.ENV, f"{type(e).__name__}: {e}", turn=episode.turns())
+    return None
+
+
+def sampling_template(config: RolloutConfig, tokenizer: ChatTokenizer) -> Sampling:
+    """The run-wide sampling settings of `config` (stop at the tokenizer's eos); each turn derives its own."""
+    s = config.sampling
+    return _sampling_template(s.temperature, s.top_p, s.top_k, tuple(tokenizer.eos_ids), tuple(s.stop_strings))
+
+
+def decode_action(env: Env, tokenizer: ChatTokenizer, completion: Completion) -> Message:
+    """The env's action for a completion: its text without the closing eos, through `env.parse_action`.
+
+    A non-finite logprob (the trainer could not use the episode) and a parse
+    failure end the episode with their error class.
+    """
+    if not all(map(math.isfinite, completion.logprobs)):
+        raise EpisodeFailure(ErrorClass.ENGINE, "engine.generate returned a non-finite logprob for a sampled token")
+    ids = completion.ids
+    eos = tokenizer.eos_ids
+    text = tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids)
+    try:
+        return env.parse_action(text)
+    except Exception as e:
+        raise EpisodeFailure(classify(e, ErrorClass.FORMAT), f"parse_action failed: {e}") from e
+
+
+class EpisodeState:
     """The state of one running episode; `run()` plays it, `trajectory()` packs the result."""
 
     def __init__(
@@ -132,6 +167,7 @@ class _Episode:
         self.clock = loop.time
         self.episode_end = self.clock() + config.episode_timeout_s
         self.call: tuple[str, float, float] = ("", 0.0, self.episode_end)  # what, its limit, its deadline
+        self.seat: Seat | None = None  # who plays (a multi-policy run's roster); None: the engine's own weights
 
     def turns(self) -> int:
         return len(self.conv.turns) if self.conv is not None else 0
@@ -168,7 +204,7 @@ class _Episode:
 
     async def run(self) -> None:
         env, config = self.env, self.config
-        eos = tuple(self.tokenizer.eos_ids)
+        seat = self.seat or Seat()
         t = time.monotonic()
         reset = env.reset(self.task, seed=self.seed)
         self.opening, _ = await self.bounded(reset, config.env_timeout_s, ErrorClass.ENV, "env.reset")
@@ -177,8 +213,7 @@ class _Episode:
         conv = self.conv = Conversation(
             self.tokenizer, self.opening, tools=env.prompt_tools(), budgets=Budgets.from_rollout_config(config)
         )
-        s = config.sampling
-        sampling = _sampling_template(s.temperature, s.top_p, s.top_k, eos, tuple(s.stop_strings))
+        sampling = sampling_template(config, self.tokenizer).with_adapter(seat.adapter)
         overlong = config.overlong
         overlong_from = config.max_new_tokens_per_turn - overlong.buffer_tokens if overlong is not None else 0
         overlong_cut = 0.0
@@ -193,15 +228,10 @@ class _Episode:
             completion = await self.bounded(generate, config.generate_timeout_s, ErrorClass.ENGINE, "engine.generate")
             self.gen_s += time.monotonic() - t
             ids = completion.ids
-            if not all(map(math.isfinite, completion.logprobs)):  # the trainer could not use the episode
-                raise EpisodeFailure(ErrorClass.ENGINE, "engine.generate returned a non-finite logprob for a sampled token")
-            text = self.tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids)
-            try:
-                action = env.parse_action(text)
-            except Exception as e:
-                raise EpisodeFailure(classify(e, ErrorClass.FORMAT), f"parse_action failed: {e}") from e
+            action = decode_action(env, self.tokenizer, completion)
             conv.add_completion(completion, action)
             last = conv.turns[-1]
+            last.policy = seat.policy
             if state_key is not None:
                 last.info["state_key"] = state_key
             t = time.monotonic()

@@ -29,10 +29,12 @@ from typing import Any
 
 from agentrl.chat.conversation import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
-from agentrl.env import Env, EpisodeDriver, Task
+from agentrl.env import Env, EpisodeDriver, Task, TurnTaking
 from agentrl.rollout.config import FailurePolicy, RolloutConfig
 from agentrl.rollout.episode import EpisodeFailure, classify, run_episode
 from agentrl.rollout.metrics import EngineBusy, EngineStats, RolloutMetrics
+from agentrl.rollout.multi_agent import run_turns
+from agentrl.rollout.roster import SINGLE_AGENT, Roster
 from agentrl.types import EpisodeError, ErrorClass, Group, Trajectory, new_id
 
 __all__ = ["EpisodeFailure", "RolloutManager", "RolloutStalled", "classify", "run_episode"]
@@ -57,7 +59,11 @@ class RolloutManager:
     The staleness gate's clock is `trainer_version()`: by default the policy
     version the engine serves, which moves when a training step's weights
     reach the engine (`agentrl.run.wiring.sync_weights` checks it does), the moment
-    a new sample can carry them. Nobody needs to tell the manager.
+    a new sample can carry them. Nobody needs to tell the manager. A run of
+    several policies passes its own `lag` (each policy's tokens against that
+    policy's version) and a `roster` (who plays which agent): a `TurnTaking`
+    env's episodes then run per `agentrl.rollout.multi_agent`, one trajectory
+    per model-played agent, all in the sample's group.
     """
 
     def __init__(
@@ -69,6 +75,8 @@ class RolloutManager:
         config: RolloutConfig,
         *,
         trainer_version: Callable[[], int] | None = None,
+        lag: Callable[[Group], int] | None = None,
+        roster: Roster | None = None,
         seed: int = 0,
         stall_timeout_s: float = 3600.0,
         close_timeout_s: float = 60.0,
@@ -79,6 +87,8 @@ class RolloutManager:
         self.config = config
         self._tasks: Iterator[Task] = iter(tasks)
         self._trainer_version = trainer_version or (lambda: engine.policy_version)
+        self._lag = lag or self._default_lag
+        self._roster = roster or Roster()
         self._v0 = self._trainer_version()
         self._handover_version = self._v0  # the version at the last hand-over (rollout/trainer_version)
         self._seed = seed
@@ -127,9 +137,8 @@ class RolloutManager:
             if item is None:
                 return
             position, group = item
-            oldest = group.oldest_version
             version = self.trainer_version
-            lag = 0 if oldest is None else version - oldest
+            lag = self._lag(group)
             del self._live[position]
             if lag > self.config.max_staleness:
                 self._requeued.append((position, group.task))
@@ -141,6 +150,11 @@ class RolloutManager:
             self._metrics.handed_over(group, lag)
             self._notify()
             yield group
+
+    def _default_lag(self, group: Group) -> int:
+        """Steps between the group's oldest token and the version the gate counts from (one policy)."""
+        oldest = group.oldest_version
+        return 0 if oldest is None else self.trainer_version - oldest
 
     @property
     def trainer_version(self) -> int:
@@ -380,8 +394,12 @@ class RolloutManager:
                     task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
                 )
                 return trajs
+            if isinstance(env, TurnTaking):  # agents take turns, each played per the roster
+                return await run_turns(env, task, self.engine, self.tokenizer, self.config, self._roster, seed=seed,
+                                       group_id=group_id, sample_index=index)
             return [await run_episode(
-                env, task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index
+                env, task, self.engine, self.tokenizer, self.config, seed=seed, group_id=group_id, sample_index=index,
+                seat=self._roster.seat(SINGLE_AGENT) if self._roster.agents else None,
             )]
         finally:
             with contextlib.suppress(Exception):

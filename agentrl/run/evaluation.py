@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 
 from agentrl.chat.conversation import ChatTokenizer
 from agentrl.engines.base import InferenceEngine
-from agentrl.env import MIX_MEMBER_KEY, Env, EpisodeDriver, Task
+from agentrl.env import MIX_MEMBER_KEY, Env, EpisodeDriver, Task, TurnTaking
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.manager import run_episode
+from agentrl.rollout.multi_agent import run_turns
+from agentrl.rollout.roster import SINGLE_AGENT, Roster
 from agentrl.types import Trajectory
 
 
@@ -24,13 +26,33 @@ class EvalResult:
     n_tasks: int
     n_samples: int
     errors: int
-    trajectories: list[Trajectory] = field(default_factory=list)
+    trajectories: list[Trajectory] = field(default_factory=list)  # the scored one of each sample first
+    others: list[Trajectory] = field(default_factory=list)  # the other agents' of multi-agent episodes
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {f"{prefix}reward_mean": self.reward_mean, f"{prefix}errors": float(self.errors)}
         out.update({f"{prefix}pass@{k}": v for k, v in self.pass_at.items()})
         out.update({f"{prefix}{env}/reward_mean": v for env, v in reward_by_env(self.trajectories).items()})
+        out.update({f"{prefix}{key}": v for key, v in policy_scores([*self.trajectories, *self.others]).items()})
         return out
+
+
+def policy_scores(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Per policy of a multi-agent evaluation: `policy/<name>/reward_mean`, and `win_rate`/`draw_rate`
+    over its games that ended with a winner (`info["outcome"]`, agentrl.rollout.multi_agent)."""
+    by_policy: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        policy = t.info.get("policy")
+        if isinstance(policy, str):
+            by_policy.setdefault(policy, []).append(t)
+    out: dict[str, float] = {}
+    for name, trajs in sorted(by_policy.items()):
+        out[f"policy/{name}/reward_mean"] = sum(t.reward for t in trajs) / len(trajs)
+        outcomes = [t.info["outcome"] for t in trajs if "outcome" in t.info]
+        if outcomes:
+            out[f"policy/{name}/win_rate"] = outcomes.count("win") / len(outcomes)
+            out[f"policy/{name}/draw_rate"] = outcomes.count("draw") / len(outcomes)
+    return out
 
 
 def reward_by_env(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -65,29 +87,40 @@ async def evaluate(
     success_threshold: float = 1.0,
     concurrency: int = 32,
     seed: int = 0,
+    roster: Roster | None = None,
 ) -> EvalResult:
-    """Run `n_samples` episodes per task; a sample passes when reward >= threshold."""
-    semaphore = asyncio.Semaphore(concurrency)
+    """Run `n_samples` episodes per task; a sample passes when reward >= threshold.
 
-    async def one(task: Task, t_index: int, index: int) -> Trajectory:
+    A multi-agent env's episode is scored by its first model-played agent's
+    trajectory (the others are kept in `EvalResult.others`); `roster` says who
+    plays whom (e.g. the trained policy against a fixed opponent).
+    """
+    semaphore = asyncio.Semaphore(concurrency)
+    roster = roster or Roster()
+
+    async def one(task: Task, t_index: int, index: int) -> list[Trajectory]:
         async with semaphore:
             env = env_factory()
-            try:  # every episode gets its own seed, so samples are independent draws
+            sample_seed = seed + t_index * n_samples + index  # every episode its own: independent draws
+            try:
                 if isinstance(env, EpisodeDriver):  # the `agent` env: its main trajectory scores the episode
-                    trajs = await env.drive_episode(
-                        task, engine, tokenizer, config, seed=seed + t_index * n_samples + index,
-                        group_id=str(task["id"]), sample_index=index,
+                    return await env.drive_episode(
+                        task, engine, tokenizer, config, seed=sample_seed, group_id=str(task["id"]), sample_index=index,
                     )
-                    return trajs[0]
-                return await run_episode(
-                    env, task, engine, tokenizer, config, seed=seed + t_index * n_samples + index,
-                    group_id=str(task["id"]), sample_index=index,
-                )
+                if isinstance(env, TurnTaking):
+                    return await run_turns(env, task, engine, tokenizer, config, roster, seed=sample_seed,
+                                           group_id=str(task["id"]), sample_index=index)
+                return [await run_episode(
+                    env, task, engine, tokenizer, config, seed=sample_seed, group_id=str(task["id"]),
+                    sample_index=index, seat=roster.seat(SINGLE_AGENT) if roster.agents else None,
+                )]
             finally:
                 await env.close()
 
     jobs = [one(task, t, i) for t, task in enumerate(tasks) for i in range(n_samples)]
-    trajectories = list(await asyncio.gather(*jobs))
+    episodes = list(await asyncio.gather(*jobs))
+    trajectories = [e[0] for e in episodes]
+    others = [t for e in episodes if "agent" in e[0].info for t in e[1:]]  # not the agent env's branches
     rewards = [t.reward for t in trajectories]
     pass_at: dict[int, float] = {}
     for k in ks:
@@ -106,4 +139,5 @@ async def evaluate(
         n_samples=n_samples,
         errors=sum(1 for t in trajectories if t.error is not None),
         trajectories=trajectories,
+        others=others,
     )

@@ -25,6 +25,7 @@ from agentrl.rollout.task_stream import AllTasksSolved, SolvedTasks, TaskStream
 from agentrl.run.alerts import RunAlerts
 from agentrl.run.memory import MemoryProbe, bound_heap_retention
 from agentrl.run.metrics_log import MetricsLog, check_loggers
+from agentrl.run.policies import split_roles
 from agentrl.run.progress import TrainProgress
 from agentrl.run.run_dir import RunDir
 from agentrl.run.wiring import (
@@ -106,7 +107,7 @@ async def _train_once(config: RunConfig, attempt: _Attempt) -> Path:
         """One optimizer step, weight sync, store + metrics + checkpoint; True when the run is done."""
         nonlocal step
         started = time.perf_counter()
-        result = await _off_thread(lock, parts.trainer.train_step, batch)
+        result = await _off_thread(lock, parts.trainer.train_step, split_roles(batch))  # advantages per role
         metrics = result.metrics
         step += 1
         metrics |= await sync_weights(parts.engine, parts.trainer)

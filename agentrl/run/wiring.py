@@ -22,6 +22,7 @@ from agentrl.rollout.manager import RolloutManager
 from agentrl.run.demonstrations import demonstration_sample
 from agentrl.run.evaluation import EvalResult, evaluate, reward_by_env
 from agentrl.run.metrics_log import MetricsLog
+from agentrl.run.policies import PolicyTrainers, build_policy_trainers, policy_lag, roster, sync_policies
 from agentrl.run.resources import RunResources
 from agentrl.store.trajectory_store import TrajectoryStore
 from agentrl.trainer import AdapterTrainer, ClosableTrainer, Trainer
@@ -86,15 +87,19 @@ def build_parts(config: RunConfig) -> Parts:
     test_tasks = _eval_tasks(config, probe, needed=bool(config.run.eval_every))  # found out now, not later
     tokenizer = HFChatTokenizer.from_pretrained(model_path)
     trainer_cls = plugins.registry("trainers").get(config.trainer.name)
-    trainer_config = config.trainer.config or trainer_cls.Config(**config.trainer.params)
-    trainer: Trainer = trainer_cls(trainer_config, model_path)
+    trainer: Trainer
+    if config.policies:  # several policies: one trainer each, over one base (agentrl.run.policies)
+        trainer = build_policy_trainers(config, trainer_cls, model_path)
+    else:
+        trainer = trainer_cls(config.trainer.config or trainer_cls.Config(**config.trainer.params), model_path)
     try:
         engine = _engine(config, model_path, tokenizer)
     except BaseException:
         _close_trainer(trainer)
         raise
     if isinstance(engine, BaseSharingEngine):  # hf engine + LoRA trainer in one process: one base copy
-        engine.share_base_with(trainer)
+        first = next(iter(trainer.trainers.values())) if isinstance(trainer, PolicyTrainers) else trainer
+        engine.share_base_with(first)
     return Parts(env_factory, probe, train_tasks, test_tasks, engine, tokenizer, trainer, resources)
 
 
@@ -164,7 +169,10 @@ async def sync_weights(engine: InferenceEngine, trainer: Trainer) -> dict[str, f
     `weight_sync/buckets` when the weight source counts what it handed out.
     An engine that shares the trainer's frozen base (`weights_wanted == "adapter"`,
     agentrl.engines.hf_shared) is handed the adapter alone, unmerged.
+    A multi-policy run hands each policy's adapter over instead (`sync_policies`).
     """
+    if isinstance(trainer, PolicyTrainers):
+        return await sync_policies(engine, trainer)
     source = (  # an engine that samples with the trainer's own base gets the adapter alone
         trainer.adapter_for_engines()
         if isinstance(engine, BaseSharingEngine) and engine.weights_wanted == "adapter"
@@ -193,8 +201,15 @@ def rollout_manager(config: RunConfig, parts: Parts, tasks: Iterable[Task]) -> R
 
     Its staleness gate follows the policy version the engine serves: `sync_weights` moves it after each step.
     """
+    if not isinstance(parts.trainer, PolicyTrainers):
+        return RolloutManager(
+            parts.env_factory, tasks, parts.engine, parts.tokenizer, config.rollout, seed=config.run.seed,
+        )
+    trainers = parts.trainer  # several policies: each policy's tokens age against its own version
     return RolloutManager(
         parts.env_factory, tasks, parts.engine, parts.tokenizer, config.rollout, seed=config.run.seed,
+        trainer_version=lambda: trainers.policy_version, lag=lambda g: policy_lag(g, trainers.versions()),
+        roster=roster(config),
     )
 
 
@@ -227,13 +242,14 @@ async def evaluate_config(config: RunConfig, parts: Parts | EvalParts) -> EvalRe
         n_samples=config.run.eval_samples,
         ks=sorted({1, config.run.eval_samples}),
         seed=config.run.seed,
+        roster=roster(config, evaluation=True),
     )
 
 
 async def run_eval(config: RunConfig, parts: Parts, store: TrajectoryStore, *, step: int) -> dict[str, float]:
     """Score the current policy on held-out tasks; store the episodes as status 'eval'."""
     result = await evaluate_config(config, parts)
-    for traj in result.trajectories:
+    for traj in [*result.trajectories, *result.others]:
         store.add_trajectory(traj, step=step, status="eval")
     metrics = result.metrics()
     store.add_metrics(step, metrics)  # beside the step's training metrics: the replay overview reads them
