@@ -37,13 +37,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, field_validator
 
-from agentrl.engines.base import BusyClock, EngineClosed, EngineHealth, Sampling, ServingConfig, WeightSource
+from agentrl.engines.base import (
+    AdapterSpec,
+    BusyClock,
+    EngineClosed,
+    EngineHealth,
+    Sampling,
+    ServingConfig,
+    TokenDelta,
+    WeightSource,
+)
 from agentrl.engines.models import resolve_model
 from agentrl.engines.vllm_stats import SchedulerCounters
 from agentrl.types import Completion, FinishReason
@@ -58,17 +70,23 @@ from agentrl.weights.transport import (
     vllm_backend_installed,
 )
 
+log = logging.getLogger(__name__)
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 # Engine args this engine sets itself: `engine_args` may not override them.
 _OWN_ARGS = frozenset(
-    {"model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls", "weight_transfer_config"}
+    {"model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls", "weight_transfer_config",
+     "structured_outputs_config", "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras"}
 )
 _TRANSPORTS = ("auto", "collective", "shm")
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+_POLICY = 1  # the vLLM adapter id of the trainer's policy adapter (adapter-only syncs); named adapters: 2, 3, ...
 
 
 class VLLMEngine:
     """vLLM's AsyncLLM serving token ids, with exact logprobs and per-token versions."""
+
+    constrained_decoding = True  # serves `Sampling.grammar` through vLLM's structured outputs (guidance)
 
     class Config(ServingConfig):
         max_num_seqs: int = Field(default=32, ge=1, description="most requests vLLM runs in one batch")
@@ -99,6 +117,17 @@ class VLLMEngine:
             description="more vLLM engine arguments (AsyncEngineArgs fields, e.g. enable_prefix_caching); "
             "names are checked when the engine starts",
         )
+        lora_rank: int = Field(
+            default=0, ge=0,
+            description="the largest LoRA rank this engine serves (vLLM's max_lora_rank: 1, 8, 16, 32, 64, ...); "
+            "0 = no LoRA. Needed for adapter-only syncs of a LoRA trainer (set it to trainer.lora.r or more) "
+            "and for named adapters (Sampling.adapter)",
+        )
+        max_adapters: int = Field(
+            default=4, ge=1,
+            description="adapters held at once with LoRA (the trainer's policy adapter included): vLLM's "
+            "max_loras and max_cpu_loras",
+        )
         weight_transport: Transport = Field(
             default="auto",
             description="how trainer weights reach vLLM's workers: collective (broadcast from the trainer's "
@@ -110,6 +139,13 @@ class VLLMEngine:
         @classmethod
         def _transport(cls, value: str) -> str:
             return check_transport(value, key="engine.weight_transport", allowed=_TRANSPORTS)
+
+        @field_validator("lora_rank")
+        @classmethod
+        def _lora_rank(cls, value: int) -> int:
+            if value and value not in _LORA_RANKS:
+                raise ValueError(f"engine.lora_rank={value}: vLLM serves ranks up to one of {_LORA_RANKS}")
+            return value
 
     def __init__(self, config: VLLMEngine.Config | None = None) -> None:
         self.config = cfg = config if config is not None else self.Config()
@@ -141,6 +177,9 @@ class VLLMEngine:
         if missing and cfg.weight_transport == "collective":
             raise RuntimeError(f"engine.weight_transport=collective: {missing}")
         self._collective_ok = missing is None and cfg.weight_transport != "shm"
+        if cfg.lora_rank:  # LoRA layers around the base: adapters are filed by id (vllm_worker), never read from disk
+            args |= {"enable_lora": True, "max_lora_rank": cfg.lora_rank, "max_loras": cfg.max_adapters,
+                     "max_cpu_loras": cfg.max_adapters}  # fmt: skip
         if self._collective_ok:  # the workers build vLLM's weight-transfer engine when they load the model
             args["weight_transfer_config"] = {"backend": VLLM_BACKEND}
         self._scheduler = SchedulerCounters()
@@ -150,6 +189,8 @@ class VLLMEngine:
                 dtype=_DTYPES[cfg.dtype],
                 seed=cfg.seed,
                 logprobs_mode="processed_logprobs",
+                # grammars are llguidance Lark (agentrl.engines.constrained): the guidance backend reads them
+                structured_outputs_config={"backend": "guidance"},
                 worker_extension_cls="agentrl.engines.vllm_worker.WeightLoader",
                 **args,
             ),
@@ -170,6 +211,14 @@ class VLLMEngine:
         self.tokens_generated = 0
         self.updates = 0
         self.last_update_s = 0.0
+        # LoRA: the trainer's policy adapter (adapter-only syncs) and named adapters (AdapterEngine)
+        self.weights_wanted = "full"  # "adapter" once a LoRA trainer's adapter is what a sync sends (share_base_with)
+        self._policy_spec: AdapterSpec | None = None
+        self._policy_loaded = False  # an adapter-only sync filed the policy adapter (id _POLICY)
+        self._adapters: dict[str, _Adapter] = {}
+        self._lora_ids = itertools.count(_POLICY + 1)
+        self._pending: _Target | None = None  # the adapter the collective receive in progress files (None: the model)
+        self._using: dict[str, int] = {}  # requests in flight per named adapter (remove_adapter waits for them)
 
     @classmethod
     def from_config(cls, config: VLLMEngine.Config | dict[str, Any], *, tokenizer: Any = None) -> VLLMEngine:
@@ -178,9 +227,11 @@ class VLLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _params(self, sampling: Sampling) -> Any:
+    def _params(self, sampling: Sampling, *, delta: bool = False) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        constrained = StructuredOutputsParams(grammar=sampling.grammar) if sampling.grammar else None
 
         return SamplingParams(
             n=1,
@@ -196,79 +247,249 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's own logprob only
             detokenize=bool(sampling.stop_strings),  # text is needed only to find stop strings
             skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=constrained,
         )
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
+    async def _admit(self, prompt_ids: Sequence[int], sampling: Sampling) -> tuple[list[int], int, str]:
+        """Checks before a request: the prompt, its first version, and a fresh request id."""
         if self._closed:
             raise EngineClosed("vllm engine is closed")
         if not prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
         if self._half_loaded:
             raise EngineClosed(self._half_loaded)
+        if sampling.adapter is not None and sampling.adapter not in self._adapters:
+            raise KeyError(f"adapter {sampling.adapter!r} is not held by this vllm engine; it holds: "
+                           f"{sorted(self._adapters) or 'none'}")  # fmt: skip
+        if not self._versioned:
+            await self._llm.update_weight_version(self._label())
+            self._versioned = True
+        started_on = self.policy_version if sampling.adapter is None else self._adapters[sampling.adapter].version
+        return list(prompt_ids), started_on, f"agentrl-{next(self._ids)}"
+
+    def _use(self, adapter: str | None, step: int) -> None:
+        if adapter is not None:
+            self._using[adapter] = self._using.get(adapter, 0) + step
+
+    def _lora(self, sampling: Sampling) -> Any:
+        """The LoRARequest of a request: its named adapter, else the policy adapter once one was synced."""
+        if sampling.adapter is None and not self._policy_loaded:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        lora_id = _POLICY if sampling.adapter is None else self._adapters[sampling.adapter].lora_id
+        # the path is never read: the adapter is in the workers' LoRA manager under its id (vllm_worker)
+        return LoRARequest(f"agentrl-adapter-{lora_id}", lora_id, lora_path=f"agentrl-in-memory/{lora_id}")
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
         from vllm.inputs import TokensPrompt
 
-        if not self._versioned:
-            await self._llm.update_weight_version(str(self.policy_version))
-            self._versioned = True
-        prompt = list(prompt_ids)
-        started_on = self.policy_version
-        request_id = f"agentrl-{next(self._ids)}"
+        prompt, started_on, request_id = await self._admit(prompt_ids, sampling)
         final = None
         self._busy.enter()
+        self._use(sampling.adapter, 1)
         try:
-            async with asyncio.timeout(self.config.request_timeout_s):
+            async with asyncio.timeout(self.config.request_timeout_s), _request_errors():
                 async for out in self._llm.generate(
-                    TokensPrompt(prompt_token_ids=prompt), self._params(sampling), request_id=request_id
+                    TokensPrompt(prompt_token_ids=prompt), self._params(sampling), request_id=request_id,
+                    lora_request=self._lora(sampling),
                 ):
                     final = out
         finally:
             self._busy.leave()
+            self._use(sampling.adapter, -1)
         if final is None or not final.outputs:
             raise EngineClosed(f"vllm returned nothing for request {request_id}")
-        return self._completion(prompt, final.outputs[0], started_on)
+        return self._completion(prompt, final.outputs[0], started_on, sampling.adapter)
 
-    def _completion(self, prompt: list[int], out: Any, started_on: int) -> Completion:
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: Sampling) -> AsyncIterator[TokenDelta]:
+        """The tokens of one request as vLLM samples them (its DELTA outputs), with logprobs and versions.
+
+        Joined (`base.join_deltas`) they are what `generate` returns for the same
+        request and seed. vLLM labels tokens with weight versions only in its
+        final output; a delta's tokens take theirs from the request's version
+        spans in vLLM's output processor (this process), which are recorded as
+        each token is processed, before its output reaches the request. The
+        whole stream has `request_timeout_s` (each wait for a delta is bounded
+        by what is left of it); closing the stream early aborts the request in vLLM.
+        """
+        from vllm.inputs import TokensPrompt
+
+        prompt, started_on, request_id = await self._admit(prompt_ids, sampling)
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        outputs = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), self._params(sampling, delta=True),
+                                     request_id=request_id, lora_request=self._lora(sampling))  # fmt: skip
+        sent = 0  # output tokens handed out so far
+        state: Any = None  # vLLM's RequestState of this request (it keeps the version spans)
+        self._busy.enter()
+        self._use(sampling.adapter, 1)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline), _request_errors():
+                        out = await anext(outputs)
+                except StopAsyncIteration:
+                    raise EngineClosed(f"vllm ended request {request_id} without a finish reason") from None
+                piece = out.outputs[0]
+                ids = list(piece.token_ids)
+                if state is None and not out.finished:
+                    state = self._request_state(request_id)
+                if out.finished:
+                    versions = _span_versions(piece.weight_versions, sent, len(ids), started_on, sampling.adapter)
+                else:
+                    versions = _start_versions(state.weight_version_starts if state is not None else (),
+                                               sent, len(ids), started_on, sampling.adapter)  # fmt: skip
+                logprobs = [entry[tok].logprob for tok, entry in zip(ids, piece.logprobs or [], strict=True)]
+                sent += len(ids)
+                self.tokens_generated += len(ids)
+                if out.finished:
+                    reason = _FINISH.get(str(piece.finish_reason))
+                    if reason is None:
+                        raise EngineClosed(f"vllm ended the request with finish_reason={piece.finish_reason!r}")
+                    yield TokenDelta(ids, logprobs, versions, reason)
+                    return
+                if ids:
+                    yield TokenDelta(ids, logprobs, versions)
+        finally:
+            self._busy.leave()
+            self._use(sampling.adapter, -1)
+            await outputs.aclose()  # a stream closed early: vLLM aborts the request
+
+    def _request_state(self, request_id: str) -> Any:
+        """vLLM's output-processor state of a running request (None when it is gone)."""
+        processor = self._llm.output_processor
+        internal = processor.external_req_ids.get(request_id) or []
+        return processor.request_states.get(internal[0]) if internal else None
+
+    def _completion(self, prompt: list[int], out: Any, started_on: int, adapter: str | None) -> Completion:
         """The Completion of vLLM's final output; tokens no weight-version span covers get `started_on`."""
         reason = _FINISH.get(str(out.finish_reason))
         if reason is None:
             raise EngineClosed(f"vllm ended the request with finish_reason={out.finish_reason!r}")
         ids = list(out.token_ids)
         logprobs = [entry[tok].logprob for tok, entry in zip(ids, out.logprobs or [], strict=True)]
-        versions = [started_on] * len(ids)
-        for span in out.weight_versions or ():
-            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        versions = _span_versions(out.weight_versions, 0, len(ids), started_on, adapter)
         self.tokens_generated += len(ids)
         return Completion(ids, logprobs, versions, reason)
 
     # -- weights, health, lifecycle -------------------------------------------------------------
 
     async def update_weights(self, weights: WeightSource, version: int) -> None:
-        """Load named tensors (HF names) into vLLM's workers in place, then serve `version`."""
+        """Load named tensors (HF names) into vLLM's workers in place, then serve `version`.
+
+        Once the engine takes a LoRA trainer's adapter alone (`weights_wanted == "adapter"`,
+        `share_base_with`), `weights` are the policy adapter's tensors: they replace the adapter
+        requests without `Sampling.adapter` sample with, over the base vLLM loaded at start.
+        """
         if self._closed:
             raise EngineClosed("vllm engine is closed")
+        target = None
+        if self.weights_wanted == "adapter" and self._policy_spec is not None:
+            target = _Target(_POLICY, self._policy_spec, self._commit_policy)
+        await self._load(weights, version, target)
+
+    def _commit_policy(self, version: int) -> None:
+        self._policy_loaded = True
+        self.policy_version = version
+
+    async def _load(self, weights: WeightSource, version: int, target: _Target | None) -> None:
+        """One update by the configured transport: the whole model (`target` None) or one adapter."""
         started = time.monotonic()
         if self.transport_for(weights) == "collective":
-            await self._collective_update(weights, version)
-            self.updates += 1
-            self.last_update_s = time.monotonic() - started
-            return
+            await self._collective_update(weights, version, target)
+        else:
+            await self._shm_update(weights, version, target)
+        self.updates += 1
+        self.last_update_s = time.monotonic() - started
+
+    async def _shm_update(self, weights: WeightSource, version: int, target: _Target | None) -> None:
         async with asyncio.timeout(self.config.update_timeout_s), self._lock():
             with bucket_folder(weights_dir(self.config.weights_dir)) as folder:
                 paths = await asyncio.to_thread(write_buckets, weights, folder, self._serving_dtype())
                 keep = self.config.update_mode == "continue_new"
                 await self._llm.pause_generation(mode="keep" if keep else "wait", clear_cache=not keep)
                 try:
-                    await self._llm.collective_rpc("agentrl_load_weights", args=(paths,))
-                    await self._llm.update_weight_version(str(version))
+                    if target is None:
+                        await self._llm.collective_rpc("agentrl_load_weights", args=(paths,))
+                        self.policy_version = version
+                    else:
+                        await self._llm.collective_rpc("agentrl_load_adapter",
+                                                       args=(paths, target.lora_id, _spec_dict(target.spec)))  # fmt: skip
+                        target.commit(version)
+                    await self._llm.update_weight_version(self._label())
                     self._versioned = True
                     # running requests (continue_new) are preempted and recomputed on the new weights
                     await self._llm.reset_prefix_cache(reset_running_requests=keep)
-                    self.policy_version = version
                 finally:
                     await self._llm.resume_generation()
-        self.updates += 1
-        self.last_update_s = time.monotonic() - started
+
+    def _label(self) -> str:
+        return _label(self.policy_version, {name: a.version for name, a in self._adapters.items()})
+
+    # -- LoRA: the trainer's policy adapter, and named adapters (AdapterEngine) ----------------------
+
+    def share_base_with(self, trainer: object) -> bool:
+        """Take a LoRA trainer's adapter alone at each sync (True when it will): vLLM keeps the base it loaded
+        at start (the trainer's frozen base, `model.path`) and serves the synced adapter over it.
+
+        Needs `lora_rank` >= the trainer's rank (vLLM's LoRA layers are made when it starts) and a trainer
+        that says what its adapter is (`adapter_spec()`); otherwise syncs stay merged full weights.
+        """
+        from agentrl.trainer import AdapterTrainer
+
+        spec_of = getattr(trainer, "adapter_spec", None)
+        if not self.config.lora_rank or not isinstance(trainer, AdapterTrainer) or not callable(spec_of):
+            return False
+        spec = spec_of()
+        if not isinstance(spec, AdapterSpec):
+            return False
+        if spec.rank > self.config.lora_rank:
+            log.warning("vllm engine: the trainer's LoRA rank %d is above engine.lora_rank=%d: syncs send the "
+                        "merged weights", spec.rank, self.config.lora_rank)  # fmt: skip
+            return False
+        self._policy_spec = spec
+        self.weights_wanted = "adapter"
+        return True
+
+    @property
+    def adapter_versions(self) -> dict[str, int]:
+        """The version of each named adapter held (`AdapterEngine`)."""
+        return {name: a.version for name, a in self._adapters.items()}
+
+    async def update_adapter(self, name: str, weights: WeightSource, version: int, spec: AdapterSpec) -> None:
+        """Add named adapter `name` or replace its tensors (canonical LoRA names), then serve it as `version`.
+
+        Over the engine's transport, like `update_weights`; running requests with the adapter go on with
+        the new tensors (`continue_new`, their later tokens carry `version`) or finish first (`finish_old`).
+        """
+        if self._closed:
+            raise EngineClosed("vllm engine is closed")
+        if not self.config.lora_rank:
+            raise RuntimeError("this vllm engine serves no adapters: start it with engine.lora_rank > 0")
+        if spec.rank > self.config.lora_rank:
+            raise ValueError(f"adapter {name!r} has rank {spec.rank}, above engine.lora_rank={self.config.lora_rank}")
+        held = self._adapters.get(name)
+        if held is None and len(self._adapters) + (self._policy_spec is not None) >= self.config.max_adapters:
+            raise ValueError(f"the vllm engine holds its most adapters (engine.max_adapters="
+                             f"{self.config.max_adapters}): {sorted(self._adapters)}; remove one first")  # fmt: skip
+        lora_id = held.lora_id if held is not None else next(self._lora_ids)
+
+        def commit(v: int) -> None:
+            self._adapters[name] = _Adapter(lora_id, spec, v)
+
+        await self._load(weights, version, _Target(lora_id, spec, commit))
+
+    async def remove_adapter(self, name: str) -> None:
+        """Free named adapter `name`: new requests for it fail at once, running ones finish first."""
+        held = self._adapters.pop(name, None)
+        if held is None:
+            raise KeyError(f"adapter {name!r} is not held by this vllm engine; it holds: {sorted(self._adapters)}")
+        async with asyncio.timeout(self.config.update_timeout_s), self._lock():
+            while self._using.get(name):
+                await asyncio.sleep(0.05)
+            await self._llm.collective_rpc("agentrl_remove_adapter", args=(held.lora_id,))
+            await self._llm.update_weight_version(self._label())
 
     def _lock(self) -> asyncio.Lock:
         if self._update_lock is None:
@@ -326,6 +547,15 @@ class VLLMEngine:
         keep = self.config.update_mode == "continue_new"
         await self._llm.pause_generation(mode="keep" if keep else "wait", clear_cache=not keep)
         try:
+            if self._pending is not None and not bare_bytes:  # an adapter: nothing is filed unless all of it arrived
+                target = self._pending
+                await self._llm.collective_rpc("agentrl_receive_adapter",
+                                               args=(target.lora_id, _spec_dict(target.spec)))  # fmt: skip
+                target.commit(version)
+                await self._llm.update_weight_version(self._label())
+                self._versioned = True
+                await self._llm.reset_prefix_cache(reset_running_requests=keep)
+                return
             await self._llm.start_weight_update()
             try:
                 info = {"bare_bytes": bare_bytes, "bare_chunk": bare_chunk}
@@ -339,11 +569,11 @@ class VLLMEngine:
             if bare_bytes:
                 await self._llm.finish_weight_update()
                 return
-            await self._llm.finish_weight_update(str(version))
+            self.policy_version = version
+            await self._llm.finish_weight_update(self._label())
             self._versioned = True
             self._half_loaded = None
             await self._llm.reset_prefix_cache(reset_running_requests=keep)  # running requests recompute (continue_new)
-            self.policy_version = version
         finally:
             await self._llm.resume_generation()
 
@@ -353,11 +583,16 @@ class VLLMEngine:
             async with asyncio.timeout(30):
                 await self._llm.shutdown_weight_transfer_engine()
 
-    async def _collective_update(self, weights: WeightSource, version: int) -> None:
-        """The trainer's rank 0 broadcasts `weights` into this engine's workers (forming the group the first time)."""
+    async def _collective_update(self, weights: WeightSource, version: int, target: _Target | None = None) -> None:
+        """The trainer's rank 0 broadcasts `weights` into this engine's workers (forming the group the first time);
+        with a `target`, they are one adapter's tensors, filed under its id (the base untouched)."""
         try:
             async with self._lock():
-                await self._sync.update(weights, version)
+                self._pending = target
+                try:
+                    await self._sync.update(weights, version)
+                finally:
+                    self._pending = None
         except WeightSyncError as e:
             raise WeightSyncError(
                 f"vllm engine ({self.model_path}): collective weight sync to version {version} failed: {e}"
@@ -419,6 +654,28 @@ class VLLMEngine:
         await self.close()
 
 
+@dataclass(frozen=True, slots=True)
+class _Adapter:
+    """A named adapter the engine holds: its vLLM adapter id, shape and version."""
+
+    lora_id: int
+    spec: AdapterSpec
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What an update loads when it is one adapter: its id and shape, and what to record once it is in."""
+
+    lora_id: int
+    spec: AdapterSpec
+    commit: Callable[[int], None]
+
+
+def _spec_dict(spec: AdapterSpec) -> dict[str, Any]:
+    return {"rank": spec.rank, "alpha": spec.alpha, "target_modules": list(spec.target_modules)}
+
+
 class _OneEngine:
     """A vllm engine as the weight-sync coordinator's `Fleet` of one member (itself), and as that member.
 
@@ -470,6 +727,55 @@ class _OneEngine:
 
     def died(self, exc: BaseException) -> bool:
         return False  # in this process: never "gone", only failed or hung
+
+
+@contextlib.asynccontextmanager
+async def _request_errors() -> AsyncIterator[None]:
+    """vLLM's refusal of a request (a grammar that does not compile, a prompt too long) as a ValueError."""
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        yield
+    except VLLMClientError as e:
+        raise ValueError(f"vllm refused the request: {e}") from e
+
+
+def _label(policy_version: int, adapters: dict[str, int]) -> str:
+    """vLLM's weight-version label: the policy version, then each named adapter's (`3|{"a": 5}`).
+
+    vLLM tags every sampled token with the label in force when it was sampled; the version of a token
+    is that of the weights that sampled it: the policy's, or its request's adapter's.
+    """
+    return f"{policy_version}|{json.dumps(adapters, sort_keys=True)}" if adapters else str(policy_version)
+
+
+def _version_in(label: str, adapter: str | None, default: int) -> int:
+    """The version `label` (see `_label`) gives the policy (`adapter` None) or the named adapter."""
+    head, _, tail = label.partition("|")
+    if adapter is None:
+        return int(head)
+    return int(json.loads(tail).get(adapter, default)) if tail else default
+
+
+def _span_versions(spans: Any, start: int, count: int, default: int, adapter: str | None = None) -> list[int]:
+    """Versions of output tokens `start .. start+count` from vLLM's weight-version spans (whole-request indices)."""
+    versions = [default] * count
+    for span in spans or ():
+        lo, hi = max(span.start, start), min(span.end, start + count)
+        if lo < hi:
+            versions[lo - start : hi - start] = [_version_in(span.version, adapter, default)] * (hi - lo)
+    return versions
+
+
+def _start_versions(starts: Sequence[tuple[str, int]], start: int, count: int, default: int,
+                    adapter: str | None = None) -> list[int]:  # fmt: skip
+    """Versions of output tokens `start .. start+count` from vLLM's (version label, first token index) starts."""
+    versions = [default] * count
+    for label, first in starts:  # in order: a later start overrides from its first token on
+        version = _version_in(label, adapter, default)
+        for i in range(max(first - start, 0), count):
+            versions[i] = version
+    return versions
 
 
 def _on_gpu() -> bool:

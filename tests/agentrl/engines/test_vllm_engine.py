@@ -86,6 +86,92 @@ async def test_stop_ids_stop_strings_and_seeds(engine: Any, tiny_llama64_path: s
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_streamed_deltas_join_to_what_generate_returns(engine: Any) -> None:
+    """`generate_stream` (vLLM's DELTA outputs): several deltas, the same ids/logprobs/versions as `generate`."""
+    from agentrl.engines.base import StreamingEngine, join_deltas
+
+    assert isinstance(engine, StreamingEngine)
+    for sampling in (Sampling(max_tokens=20, seed=11), Sampling(max_tokens=20, temperature=0.7, top_k=20, seed=12)):
+        whole = await engine.generate(PROMPT, sampling)
+        deltas = [d async for d in engine.generate_stream(PROMPT, sampling)]
+        assert len(deltas) > 2 and all(d.finish_reason is None for d in deltas[:-1])
+        assert join_deltas(deltas) == whole
+    stream = engine.generate_stream(PROMPT, Sampling(max_tokens=400, seed=13))
+    first = await anext(stream)
+    assert first.ids and first.finish_reason is None
+    await stream.aclose()  # the consumer went away: vLLM aborts the request
+    async with asyncio.timeout(30):
+        while engine._llm.output_processor.get_num_unfinished_requests():
+            await asyncio.sleep(0.05)
+
+
+TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"op": {"enum": ["add", "mul"]}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 9}},
+    "required": ["op", "n"], "additionalProperties": False}}}]
+
+
+def _masked_reference(model: Any, grammars: Any, grammar: str, ids: list[int], eos: list[int],
+                      temperature: float, top_k: int) -> tuple[Any, Any]:
+    """(masked, unmasked) logprobs of `ids` after PROMPT: one forward pass, the grammar's mask at each step
+    (llguidance, stepped token by token), then temperature, top-k, log_softmax over what is left."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1 : -1].float()
+    matcher = grammars.matcher(grammar, eos)
+    masked = []
+    for row, tok in zip(logits, ids, strict=True):
+        masked.append(row.masked_fill(~torch.from_numpy(matcher.allowed()[: row.shape[0]]), float("-inf")))
+        matcher.consume(tok)
+
+    def filtered(x: Any) -> Any:
+        x = x / temperature
+        if top_k:
+            x = x.masked_fill(x < x.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+        return x.log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+
+    return filtered(torch.stack(masked)), filtered(logits)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_grammar_forces_a_tool_call_sampled_from_the_masked_distribution(
+    engine: Any, tiny_llama64_path: str
+) -> None:
+    """`Sampling.grammar` through vLLM's structured outputs: the bitmask is applied to the logits before the
+    sampler, so `processed_logprobs` are those of the masked, renormalised distribution the token came from."""
+    from transformers import AutoTokenizer
+
+    from agentrl.chat.tool_parsers import HermesParser
+    from agentrl.engines.constrained import Grammars, tool_call_grammar
+
+    assert engine.constrained_decoding
+    tok = AutoTokenizer.from_pretrained(tiny_llama64_path)
+    eos = [int(tok.eos_token_id)]  # vLLM's guidance backend ends a complete grammar with the tokenizer's eos
+    model = load_model(tiny_llama64_path)  # the weights the engine serves before the update tests
+    grammars = Grammars(tok, eos, int(model.get_output_embeddings().out_features))
+    grammar = tool_call_grammar(TOOLS, "hermes")
+    cases = [(1.0, 0, seed) for seed in range(4)] + [(0.7, 20, 9)]
+    outs = await asyncio.gather(*(engine.generate(PROMPT, Sampling(
+        max_tokens=80, temperature=t, top_k=k, seed=seed, stop_ids=tuple(eos), grammar=grammar))
+        for t, k, seed in cases))  # fmt: skip
+    mask_mattered = 0.0
+    for (t, k, _), out in zip(cases, outs, strict=True):
+        assert out.finish_reason == "stop" and out.ids[-1] == eos[0], tok.decode(out.ids)
+        calls = HermesParser().parse(tok.decode(out.ids[:-1])).tool_calls
+        assert len(calls) == 1 and calls[0].error is None and calls[0].name == "pick", tok.decode(out.ids)
+        assert calls[0].arguments["op"] in ("add", "mul") and 0 <= calls[0].arguments["n"] <= 9
+        masked, plain = _masked_reference(model, grammars, grammar, out.ids, eos, t, k)
+        diff = max_diff(out.logprobs, masked)
+        print(f"constrained (T={t}, top-k {k}): max |logprob - masked reference| = {diff:.2e}")
+        assert diff < 1e-4
+        mask_mattered = max(mask_mattered, max_diff(out.logprobs, plain))
+    assert mask_mattered > 0.1  # the unmasked distribution gives other logprobs: the test tells them apart
+    with pytest.raises(ValueError):
+        await engine.generate(PROMPT, Sampling(max_tokens=4, grammar="start: nonsense_rule_missing"))
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_many_concurrent_requests(engine: Any) -> None:
     prompts = [[1, 50 + i, 60 + i, 70 + 2 * i] for i in range(32)]
     outs = await asyncio.wait_for(
@@ -122,19 +208,27 @@ async def test_continue_new_switches_weights_mid_request(engine: Any, tiny_llama
         await _update(engine, before, engine.policy_version + 1)
         v_old = engine.policy_version
         running = asyncio.create_task(engine.generate(PROMPT, Sampling(max_tokens=400, seed=5)))
+        streamed = asyncio.create_task(_joined(engine.generate_stream(PROMPT, Sampling(max_tokens=400, seed=15))))
         await asyncio.sleep(0.3)
         after = load_model(tiny_llama64_path, seed=12)
         await _update(engine, after, v_old + 1)
-        out = await running
+        outs = [await running, await streamed]  # the stream's versions come from vLLM's spans as it runs
     finally:
         engine.config.stop_on_eos = True
-    switch = out.versions.index(v_old + 1) if v_old + 1 in out.versions else len(out.ids)
-    assert 0 < switch < len(out.ids), f"the update did not land mid-request (switch at {switch})"
-    assert out.versions == [v_old] * switch + [v_old + 1] * (len(out.ids) - switch)
-    old_lp = reference_logprobs(before, PROMPT, out.ids)[:switch]
-    new_lp = reference_logprobs(after, PROMPT, out.ids)[switch:]
-    assert max_diff(out.logprobs[:switch], old_lp) < 1e-4
-    assert max_diff(out.logprobs[switch:], new_lp) < 1e-4
+    for out in outs:
+        switch = out.versions.index(v_old + 1) if v_old + 1 in out.versions else len(out.ids)
+        assert 0 < switch < len(out.ids), f"the update did not land mid-request (switch at {switch})"
+        assert out.versions == [v_old] * switch + [v_old + 1] * (len(out.ids) - switch)
+        old_lp = reference_logprobs(before, PROMPT, out.ids)[:switch]
+        new_lp = reference_logprobs(after, PROMPT, out.ids)[switch:]
+        assert max_diff(out.logprobs[:switch], old_lp) < 1e-4
+        assert max_diff(out.logprobs[switch:], new_lp) < 1e-4
+
+
+async def _joined(deltas: AsyncIterator[Any]) -> Any:
+    from agentrl.engines.base import join_deltas
+
+    return join_deltas([d async for d in deltas])
 
 
 @pytest.mark.asyncio(loop_scope="module")
