@@ -266,27 +266,6 @@ class RunConfig(_Section):
     )
     _registry: Plugins | None = PrivateAttr(default=None)
 
-    @model_validator(mode="after")
-    def _agents_name_policies(self) -> RunConfig:
-        for key in ("agents", "eval_agents"):
-            mapping: dict[str, str] = getattr(self, key)
-            if mapping and not self.policies:
-                raise ValueError(f"{key} maps agents to policies, but the run has no policies: section")
-            for agent, policy in mapping.items():
-                if policy not in self.policies:
-                    raise ValueError(
-                        f"{key}.{agent}: policy {policy!r} is not one of policies: {sorted(self.policies)}"
-                    )
-        if self.policies:
-            if not any(p.train for p in self.policies.values()):
-                raise ValueError(f"policies: none of {sorted(self.policies)} trains; set train: true on one")
-            if not self.agents:
-                raise ValueError(
-                    "policies: set agents: (agent id -> policy), e.g. {player_0: alice, player_1: bob}, or "
-                    "{'*': alice} for self-play"
-                )
-        return self
-
     def registry(self) -> Plugins:
         """The Plugins this config was validated against (discovered anew if none)."""
         if self._registry is None:
@@ -452,6 +431,7 @@ def resolve_config(
         config = RunConfig.model_validate(data)
     except ValidationError as e:
         raise config_error(e, model=RunConfig) from None
+    _check_policies(config)
     with on_path(base_dir):
         if plugins is None:
             plugins = Plugins.discover(modules=config.plugins)
@@ -475,6 +455,25 @@ def resolve_config(
     _check_sections_agree(config, trainer_device_set=isinstance(trainer_raw, dict) and "device" in trainer_raw)
     config._registry = plugins
     return config
+
+
+def _check_policies(config: RunConfig) -> None:
+    """`agents:`/`eval_agents:` name policies of `policies:`, one of which trains."""
+    for key in ("agents", "eval_agents"):
+        mapping: dict[str, str] = getattr(config, key)
+        if mapping and not config.policies:
+            raise ConfigError(f"{key}: maps agents to policies, but the run has no policies: section")
+        for agent, policy in mapping.items():
+            if policy not in config.policies:
+                raise ConfigError(f"{key}.{agent}: policy {policy!r} is not one of policies: {sorted(config.policies)}")
+    if config.policies:
+        if not any(p.train for p in config.policies.values()):
+            raise ConfigError(f"policies: none of {sorted(config.policies)} trains; set train: true on one")
+        if not config.agents:
+            raise ConfigError(
+                "agents: a run with policies: maps agent ids to them, e.g. {player_0: alice, player_1: bob}, "
+                "or {'*': alice} for self-play"
+            )
 
 
 def _validate_policy_trainers(plugins: Plugins, config: RunConfig) -> None:

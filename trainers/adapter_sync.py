@@ -54,8 +54,9 @@ def share_frozen_base(trainer: TorchTrainer, other: TorchTrainer) -> bool:
     mine, theirs = shareable_policy(trainer), shareable_policy(other)
     if mine is None or theirs is None or mine is theirs:
         return False
-    source = dict(theirs.named_parameters())
-    frozen = [(n, p) for n, p in mine.named_parameters() if not p.requires_grad]
+    # every name of a tied tensor (lm_head = embed_tokens), so the tie survives the swap
+    source = dict(theirs.named_parameters(remove_duplicate=False))
+    frozen = [(n, p) for n, p in mine.named_parameters(remove_duplicate=False) if not p.requires_grad]
     if any(n not in source or source[n].shape != p.shape or source[n].requires_grad for n, p in frozen):
         return False
     for name, _ in frozen:
