@@ -61,6 +61,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from agentrl.engines.base import (
+    AdapterSpec,
     BusyClock,
     CheckpointConfig,
     EngineClosed,
@@ -205,6 +206,11 @@ class RayEnginePool:
         self._sync = CollectiveSync(self, timeout_s=cfg.update_timeout_s, on_gpu=cfg.num_gpus > 0,
                                     otherwise="object_store", size=cfg.replicas)  # fmt: skip
         self._awaiting: dict[int, asyncio.Future[None]] = {}
+        # what the replicas' engines serve beyond the model: grammars, LoRA adapters (vllm replicas)
+        self.constrained_decoding = bool(getattr(engine_cls, "constrained_decoding", False))
+        self.weights_wanted = "full"  # "adapter": syncs carry a LoRA trainer's adapter alone (share_base_with)
+        self._policy_spec: AdapterSpec | None = None
+        self._adapters: dict[str, tuple[list[Any], int, AdapterSpec]] = {}  # name -> (refs, version, spec)
         self._closed = False
         try:
             # a replica's first call returns once its engine is built (or raises what building it raised)
@@ -223,6 +229,9 @@ class RayEnginePool:
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
         if self._closed:
             raise EngineClosed("ray engine pool is closed")
+        if sampling.adapter is not None and sampling.adapter not in self._adapters:
+            raise KeyError(f"adapter {sampling.adapter!r} is not held by the ray pool; it holds: "
+                           f"{sorted(self._adapters) or 'none'}")  # fmt: skip
         prompt = list(prompt_ids)
         async with asyncio.timeout(self.config.request_timeout_s):
             while True:
@@ -290,6 +299,71 @@ class RayEnginePool:
             self.policy_version = version
             if not any(self._router.alive) and not self._restarting:
                 raise ReplicaDied("every engine replica is dead")
+
+    # -- LoRA: adapter-only syncs and named adapters (vllm replicas started with lora_rank) ---------------
+
+    def share_base_with(self, trainer: object) -> bool:
+        """Have every replica take a LoRA trainer's adapter alone at each sync (see `VLLMEngine.share_base_with`);
+        True when all of them will. Replicas started later (restarts) take them too."""
+        from agentrl.trainer import AdapterTrainer
+
+        spec_of = getattr(trainer, "adapter_spec", None)
+        if not isinstance(trainer, AdapterTrainer) or not callable(spec_of):
+            return False
+        spec = spec_of()
+        if not isinstance(spec, AdapterSpec):
+            return False
+        import ray
+
+        taken = ray.get([r.take_adapter_syncs.remote(spec) for r in self._replicas], timeout=self.config.start_timeout_s)
+        if not all(taken):
+            if any(taken):
+                raise RuntimeError("some replicas take adapter-only syncs and others do not (engine.replica.params)")
+            return False
+        self._policy_spec, self.weights_wanted = spec, "adapter"
+        return True
+
+    @property
+    def adapter_versions(self) -> dict[str, int]:
+        """The version of each named adapter every live replica holds (`AdapterEngine`)."""
+        return {name: version for name, (_, version, _) in self._adapters.items()}
+
+    async def update_adapter(self, name: str, weights: WeightSource, version: int, spec: AdapterSpec) -> None:
+        """Every live replica adds or replaces adapter `name` (its tensors through Ray's object store once:
+        an adapter is small); a replica restarted later loads the kept copy before it serves."""
+        import ray
+
+        if self._closed:
+            raise EngineClosed("ray engine pool is closed")
+        async with asyncio.timeout(self.config.update_timeout_s), self._updating():
+            refs = await asyncio.to_thread(lambda: [ray.put(list(bucket)) for bucket in weights.buckets()])
+            await self._on_live(lambda handle: handle.update_adapter.remote(name, refs, version, spec))
+            self._adapters[name] = (refs, version, spec)
+
+    async def remove_adapter(self, name: str) -> None:
+        """Every live replica frees adapter `name`."""
+        if name not in self._adapters:
+            raise KeyError(f"adapter {name!r} is not held by the ray pool; it holds: {sorted(self._adapters)}")
+        async with asyncio.timeout(self.config.update_timeout_s), self._updating():
+            del self._adapters[name]
+            await self._on_live(lambda handle: handle.remove_adapter.remote(name))
+
+    async def _on_live(self, call: Any) -> None:
+        """`call(handle)` on every live replica at once; one that died is handled as in `generate`."""
+        live = [(i, self._replicas[i]) for i, ok in enumerate(self._router.alive) if ok]
+        results = await asyncio.gather(*(call(handle) for _, handle in live), return_exceptions=True)
+        for (i, handle), result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                if not actor_died(result):
+                    raise result
+                self._lost(i, handle, result)
+
+    async def _restore_lora(self, handle: Any) -> None:
+        """A new replica takes what the others hold: adapter-only syncs, and every named adapter."""
+        if self._policy_spec is not None and not await handle.take_adapter_syncs.remote(self._policy_spec):
+            raise RuntimeError("the new replica cannot take adapter-only syncs")
+        for name, (refs, version, spec) in list(self._adapters.items()):
+            await handle.update_adapter.remote(name, refs, version, spec)
 
     # -- the collective transport -------------------------------------------------------------
 
@@ -436,6 +510,8 @@ class RayEnginePool:
             try:
                 async with asyncio.timeout(cfg.start_timeout_s):
                     self._nodes[replica] = await handle.node.remote()  # returns once its engine is built
+                async with asyncio.timeout(cfg.update_timeout_s), self._updating():
+                    await self._restore_lora(handle)
                 if self._sync.used:  # the next sync forms a new group with it and loads it
                     waiting = self._awaiting[replica] = asyncio.get_running_loop().create_future()
                     await waiting

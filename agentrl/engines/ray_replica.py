@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from agentrl.engines.base import EngineHealth, Sampling
+from agentrl.engines.base import AdapterEngine, AdapterSpec, EngineHealth, Sampling
 from agentrl.registry import PluginRef
 from agentrl.run.ray_runtime import actor_died
 from agentrl.types import JSON, Completion
@@ -62,6 +62,22 @@ class _Replica:
     async def health(self) -> EngineHealth:
         health: EngineHealth = await self.engine.health()
         return health
+
+    # LoRA (a vllm engine started with lora_rank): adapter-only syncs and named adapters
+
+    def take_adapter_syncs(self, spec: AdapterSpec) -> bool:
+        take = getattr(self.engine, "take_adapter_syncs", None)
+        return bool(take(spec)) if take is not None else False
+
+    async def update_adapter(self, name: str, bucket_refs: list[Any], version: int, spec: AdapterSpec) -> None:
+        if not isinstance(self.engine, AdapterEngine):
+            raise RuntimeError(f"engine {type(self.engine).__name__} holds no named adapters")
+        buckets = [await ref for ref in bucket_refs]
+        await self.engine.update_adapter(name, FetchedBuckets(buckets), version, spec)
+
+    async def remove_adapter(self, name: str) -> None:
+        if isinstance(self.engine, AdapterEngine):
+            await self.engine.remove_adapter(name)
 
     # the collective transport (a vllm engine): this replica's workers in the trainer's weight-transfer group
 

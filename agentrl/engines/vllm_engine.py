@@ -384,10 +384,7 @@ class VLLMEngine:
         """
         if self._closed:
             raise EngineClosed("vllm engine is closed")
-        target = None
-        if self.weights_wanted == "adapter" and self._policy_spec is not None:
-            target = _Target(_POLICY, self._policy_spec, self._commit_policy)
-        await self._load(weights, version, target)
+        await self._load(weights, version, self._policy_target())
 
     def _commit_policy(self, version: int) -> None:
         self._policy_loaded = True
@@ -442,15 +439,28 @@ class VLLMEngine:
         if not self.config.lora_rank or not isinstance(trainer, AdapterTrainer) or not callable(spec_of):
             return False
         spec = spec_of()
-        if not isinstance(spec, AdapterSpec):
-            return False
-        if spec.rank > self.config.lora_rank:
-            log.warning("vllm engine: the trainer's LoRA rank %d is above engine.lora_rank=%d: syncs send the "
-                        "merged weights", spec.rank, self.config.lora_rank)  # fmt: skip
+        return isinstance(spec, AdapterSpec) and self.take_adapter_syncs(spec)
+
+    def take_adapter_syncs(self, spec: AdapterSpec) -> bool:
+        """From now on a sync (`update_weights`, or a collective receive) is the policy adapter's tensors,
+        of shape `spec`; False (and syncs stay full weights) when `lora_rank` cannot hold it.
+
+        What `share_base_with` does once it knows the trainer's adapter; a `ray` pool calls it on each replica.
+        """
+        if not self.config.lora_rank or spec.rank > self.config.lora_rank:
+            if self.config.lora_rank:
+                log.warning("vllm engine: the trainer's LoRA rank %d is above engine.lora_rank=%d: syncs send the "
+                            "merged weights", spec.rank, self.config.lora_rank)  # fmt: skip
             return False
         self._policy_spec = spec
         self.weights_wanted = "adapter"
         return True
+
+    def _policy_target(self) -> _Target | None:
+        """What a sync loads: the policy adapter once syncs are adapter-only, else the whole model (None)."""
+        if self.weights_wanted == "adapter" and self._policy_spec is not None:
+            return _Target(_POLICY, self._policy_spec, self._commit_policy)
+        return None
 
     @property
     def adapter_versions(self) -> dict[str, int]:
@@ -547,8 +557,9 @@ class VLLMEngine:
         keep = self.config.update_mode == "continue_new"
         await self._llm.pause_generation(mode="keep" if keep else "wait", clear_cache=not keep)
         try:
-            if self._pending is not None and not bare_bytes:  # an adapter: nothing is filed unless all of it arrived
-                target = self._pending
+            # an adapter (update_adapter, or the policy's once syncs are adapter-only): filed only when all arrived
+            target = self._pending if self._pending is not None else self._policy_target()
+            if target is not None and not bare_bytes:
                 await self._llm.collective_rpc("agentrl_receive_adapter",
                                                args=(target.lora_id, _spec_dict(target.spec)))  # fmt: skip
                 target.commit(version)

@@ -91,3 +91,18 @@ def train_on_engine(run_dir: Path, model: str, engine: str, steps: int) -> list[
     assert all(r["grad_norm"] > 0 and r["time/weight_sync_s"] > 0 for r in steps_rows)
     assert all(0 < r["rollout/engine_busy"] <= 1 for r in steps_rows)
     return steps_rows
+
+
+def lora_model(path: str, rank: int, alpha: float, targets: Sequence[str], seed: int) -> Any:
+    """The model at `path` (fp32) with a peft LoRA adapter whose A and B are random (B starts at zero in peft,
+    which would leave the outputs as they were)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_model(path), LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                                                        lora_dropout=0.0))  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from engine_reference import NEEDS_VLLM, load_model, max_diff, reference_logprobs, train_on_engine
+from engine_reference import NEEDS_VLLM, load_model, lora_model, max_diff, reference_logprobs, train_on_engine
 
 from agentrl.engines.base import Sampling
 
@@ -317,11 +317,31 @@ async def test_a_vllm_replica_in_a_ray_pool(tiny_llama64_path: str) -> None:
 
     pool = RayEnginePool(RayEnginePool.Config(
         model=tiny_llama64_path, dtype="fp32", replicas=1, num_cpus=0,
-        replica=ReplicaSpec(name="vllm", params={"kv_cache_gb": 0.25, "max_model_len": 1024}),
+        replica=ReplicaSpec(name="vllm", params={"kv_cache_gb": 0.25, "max_model_len": 1024, "lora_rank": 8}),
     ))  # fmt: skip
     try:
         out = await pool.generate(PROMPT, Sampling(max_tokens=12, seed=1))
         assert max_diff(out.logprobs, reference_logprobs(load_model(tiny_llama64_path), PROMPT, out.ids)) < 1e-4
+        # grammars and named adapters pass through the pool to the replica's vLLM
+        from transformers import AutoTokenizer
+
+        from agentrl.chat.tool_parsers import HermesParser
+        from agentrl.engines.base import AdapterEngine, AdapterSpec
+        from agentrl.engines.constrained import tool_call_grammar
+        from agentrl.engines.hf_shared import adapter_named_tensors
+
+        tok = AutoTokenizer.from_pretrained(tiny_llama64_path)
+        assert pool.constrained_decoding and isinstance(pool, AdapterEngine)
+        forced = await pool.generate(PROMPT, Sampling(max_tokens=80, seed=2, stop_ids=(tok.eos_token_id,),
+                                                      grammar=tool_call_grammar(TOOLS, "hermes")))  # fmt: skip
+        [call] = HermesParser().parse(tok.decode(forced.ids[:-1])).tool_calls
+        assert call.name == "pick" and call.error is None
+        spec = AdapterSpec(4, 8.0, ("q_proj", "v_proj"))
+        peft = lora_model(tiny_llama64_path, spec.rank, spec.alpha, spec.target_modules, seed=4)
+        await pool.update_adapter("a", NamedTensorBuckets(lambda: adapter_named_tensors(peft)), 5, spec)
+        assert pool.adapter_versions == {"a": 5}
+        out = await pool.generate(PROMPT, Sampling(max_tokens=12, seed=3, adapter="a"))
+        assert out.versions == [5] * 12 and max_diff(out.logprobs, reference_logprobs(peft, PROMPT, out.ids)) < 1e-4
         new = load_model(tiny_llama64_path, seed=21)
         await pool.update_weights(NamedTensorBuckets(lambda: hf_named_tensors(new), bucket_mb=0.3), 1)
         out = await pool.generate(PROMPT, Sampling(max_tokens=12, seed=1))

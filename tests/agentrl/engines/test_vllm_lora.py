@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from engine_reference import NEEDS_VLLM, REPO, load_model, max_diff, reference_logprobs
+from engine_reference import NEEDS_VLLM, REPO, load_model, lora_model, max_diff, reference_logprobs
 
 from agentrl.engines.base import AdapterEngine, AdapterSpec, BaseSharingEngine, Sampling
 
@@ -40,18 +40,7 @@ async def engine(tiny_llama64_path: str) -> AsyncIterator[Any]:
 
 
 def _peft(path: str, seed: int) -> Any:
-    """The tiny Llama with a LoRA adapter whose A and B are random (B is zero at init: no effect otherwise)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(load_model(path), LoraConfig(
-        r=SPEC.rank, lora_alpha=SPEC.alpha, target_modules=list(SPEC.target_modules), lora_dropout=0.0))  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
+    return lora_model(path, SPEC.rank, SPEC.alpha, SPEC.target_modules, seed)
 
 
 def _adapter(model: Any) -> Any:
