@@ -258,8 +258,8 @@ class RunConfig(_Section):
     )
     agents: dict[str, str] = Field(
         default_factory=dict,
-        description="agent id -> policy name for multi-agent envs ('*': every other agent; a single-agent "
-        "env's agent is 'agent'); needs policies",
+        description="agent id -> policy name for multi-agent envs ('*': every other agent; '@task': the agent "
+        "a task names in task['agent']; a single-agent env's agent is 'agent'); needs policies",
     )
     eval_agents: dict[str, str] = Field(
         default_factory=dict, description="agent id -> policy during evaluation (default: agents), e.g. a fixed opponent"

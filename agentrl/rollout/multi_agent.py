@@ -95,7 +95,7 @@ class _Turns(EpisodeState):
             if agent is None:
                 self.terminated = True
                 return
-            seat = self.roster.seat(agent)
+            seat = self.roster.seat(agent, self.task)
             if seat.opponent is not None:
                 if not isinstance(env, OpponentMoves):
                     raise EpisodeFailure(ErrorClass.ENV, f"policy {seat.policy!r} is opponent: {seat.opponent}, but "
@@ -169,7 +169,7 @@ class _Turns(EpisodeState):
         out = []
         wall_s = time.monotonic() - self.started
         for agent, conv in self.convs.items():
-            seat = self.roster.seat(agent)
+            seat = self.roster.seat(agent, self.task)
             info: dict[str, JSON] = {"agent": agent, "policy": seat.policy}
             if self.winner is not None:
                 info["outcome"] = "draw" if self.winner not in self.rewards else ("win" if self.winner == agent else "loss")

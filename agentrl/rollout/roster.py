@@ -19,6 +19,10 @@ SINGLE_AGENT = "agent"
 ANY_AGENT = "*"
 """The roster key for every agent it does not name."""
 
+TASK_AGENT = "@task"
+"""The roster key for the agent a task names in `task["agent"]` (e.g. the seat the trained policy takes
+against a fixed opponent, alternating over the tasks): `{"@task": me, "*": bot}`."""
+
 
 @dataclass(frozen=True, slots=True)
 class Seat:
@@ -38,11 +42,18 @@ class Roster:
     adapters: Mapping[str, str | None] = field(default_factory=dict)  # policy -> adapter (None: base weights)
     opponents: Mapping[str, str] = field(default_factory=dict)  # policy -> "random" | "scripted"
 
-    def seat(self, agent: str) -> Seat:
-        """How `agent` plays; an agent the roster does not know is an error naming the ones it does."""
+    def seat(self, agent: str, task: Mapping[str, object] | None = None) -> Seat:
+        """How `agent` plays (in `task`); an agent the roster does not know is an error naming the ones it does.
+
+        The agent's own key wins, then `@task` when `task["agent"]` names it, then `*`.
+        """
         if not self.agents:
             return Seat()
-        policy = self.agents.get(agent, self.agents.get(ANY_AGENT))
+        policy = self.agents.get(agent)
+        if policy is None and task is not None and task.get("agent") == agent:
+            policy = self.agents.get(TASK_AGENT)
+        if policy is None:
+            policy = self.agents.get(ANY_AGENT)
         if policy is None:
             raise KeyError(
                 f"agent {agent!r} has no policy: agents maps {sorted(self.agents)}; add it (or '{ANY_AGENT}')"

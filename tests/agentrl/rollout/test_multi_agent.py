@@ -217,3 +217,12 @@ async def test_the_manager_groups_every_agent_of_every_sample() -> None:
     for t in group.trajectories:
         by_sample[t.sample_index] = by_sample.get(t.sample_index, 0.0) + t.reward
     assert all(v == 0.0 for v in by_sample.values())
+
+
+def test_a_roster_seats_the_agent_a_task_names() -> None:
+    roster = Roster(agents={"@task": "me", "*": "bot", "judge": "carol"}, opponents={"bot": "random"})
+    assert roster.seat("player_1", {"agent": "player_1"}).policy == "me"
+    assert roster.seat("player_0", {"agent": "player_1"}).policy == "bot"
+    assert roster.seat("judge", {"agent": "judge"}).policy == "carol", "an agent's own key wins"
+    assert roster.seat("player_1").policy == "bot"
+    assert Roster(agents={"player_0": "me"}).seat("player_0").adapter == "me"
