@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from policy_engine import PolicyEngine, take
 
 from agentrl.chat.conversation import SimpleChatTokenizer
-from agentrl.engines.base import AdapterSpec, EngineHealth, Sampling, WeightSource
 from agentrl.env import Env, OpponentMoves, StepResult, Task, TurnTaking
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.manager import RolloutManager
 from agentrl.rollout.multi_agent import run_turns
 from agentrl.rollout.roster import Roster
-from agentrl.types import Completion, ErrorClass, Message
+from agentrl.types import ErrorClass, Message
 
 
 class TakeAway(Env):
@@ -72,45 +72,6 @@ class TakeAway(Env):
         else:
             take = random.Random(seed).choice([1, 2] if self.pile >= 2 else [1])
         return Message("assistant", str(take))
-
-
-class PolicyEngine:
-    """An AdapterEngine for tests: each adapter replies with its own function of the prompt text."""
-
-    def __init__(self, tok: SimpleChatTokenizer, replies: Mapping[str | None, Any]) -> None:
-        self.tok = tok
-        self.replies = dict(replies)
-        self.policy_version = 0
-        self.adapter_versions: dict[str, int] = {}
-        self.asked: list[str | None] = []
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
-        self.asked.append(sampling.adapter)
-        if sampling.adapter is not None and sampling.adapter not in self.adapter_versions:
-            raise KeyError(f"no adapter {sampling.adapter!r}; have {sorted(self.adapter_versions)}")
-        reply = self.replies[sampling.adapter](self.tok.decode(list(prompt_ids)))
-        ids = [*self.tok.encode(reply), self.tok.eos_ids[0]]
-        version = self.policy_version if sampling.adapter is None else self.adapter_versions[sampling.adapter]
-        return Completion(ids, [-0.5] * len(ids), [version] * len(ids), "stop")
-
-    async def update_weights(self, weights: WeightSource, version: int) -> None:
-        self.policy_version = version
-
-    async def update_adapter(self, name: str, weights: WeightSource, version: int, spec: AdapterSpec) -> None:
-        self.adapter_versions[name] = version
-
-    async def remove_adapter(self, name: str) -> None:
-        del self.adapter_versions[name]
-
-    async def health(self) -> EngineHealth:
-        return EngineHealth(ok=True, policy_version=self.policy_version)
-
-    async def close(self) -> None:
-        return None
-
-
-def take(n: str) -> Any:
-    return lambda prompt: n
 
 
 CONFIG = RolloutConfig(group_size=2, groups_per_step=1, max_turns=8)
