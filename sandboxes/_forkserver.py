@@ -30,20 +30,24 @@ argv: MODE WORKDIR [SCRATCH_DIR ...]  (scratch dirs that do not exist are skippe
 
 from __future__ import annotations
 
-import base64
-import contextlib
+import binascii
 import errno
 import gc
-import json
 import os
 import resource
-import selectors
-import signal
 import stat
 import struct
 import sys
 import time
 import types
+
+# Kept light on purpose: a workspace server imports this module at every workspace start, where
+# json, base64, contextlib, selectors and signal would pull in re, enum, functools and collections
+# (~15 ms of CPU per start). The C modules behind them (_json, _signal, binascii) do the same work.
+try:
+    import _signal as signal  # the functions and constants of `signal`, without its enum wrappers
+except ImportError:  # pragma: no cover (not CPython)
+    import signal  # type: ignore[no-redef]
 
 TYPE_CHECKING = False  # mypy reads it as True; `typing` itself is not imported at run time
 
@@ -64,8 +68,72 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
+class suppress:
+    """As contextlib's ``suppress`` (contextlib is not imported: see the imports)."""
+
+    def __init__(self, *excs: type[BaseException]) -> None:
+        self.excs = excs
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+        return kind is not None and issubclass(kind, self.excs)
+
+
+def b64encode(data: bytes) -> str:
+    return binascii.b2a_base64(data, newline=False).decode()
+
+
+def b64decode(text: str | bytes) -> bytes:
+    return binascii.a2b_base64(text)  # like the base64 module's: characters outside the alphabet are skipped
+
+
+try:  # JSON through the json package's own C encoder and scanner, without the package (it imports re)
+    from _json import encode_basestring_ascii as _quote
+    from _json import make_encoder as _make_encoder
+    from _json import make_scanner as _make_scanner
+
+    def _no_default(obj: object) -> object:
+        raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+    _encode = _make_encoder(None, _no_default, _quote, None, ": ", ", ", False, False, True)
+
+    class _ScanContext:
+        strict = True
+        object_hook = None
+        object_pairs_hook = None
+        parse_float = float
+        parse_int = int
+        parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
+
+    _scan = _make_scanner(_ScanContext())  # type: ignore[arg-type]  # any object with these attributes
+
+    def json_dumps(obj: object) -> str:
+        return "".join(_encode(obj, 0))
+
+    def json_loads(data: bytes | str) -> Any:
+        text = data.decode() if isinstance(data, bytes) else data
+        start = len(text) - len(text.lstrip(" \t\n\r"))
+        try:
+            obj, end = _scan(text, start)
+        except StopIteration as e:
+            raise ValueError(f"invalid JSON at {e.value}") from None
+        if text[end:].strip(" \t\n\r"):
+            raise ValueError(f"extra data after the JSON value at {end}")
+        return obj
+except ImportError:  # pragma: no cover (not CPython)
+    import json as _json_module
+
+    def json_dumps(obj: object) -> str:
+        return _json_module.dumps(obj)
+
+    def json_loads(data: bytes | str) -> Any:
+        return _json_module.loads(data)
+
+
 def _send(fd: int, obj: dict[str, Any]) -> None:
-    data = json.dumps(obj).encode()
+    data = json_dumps(obj).encode()
     view = memoryview(_HDR.pack(len(data)) + data)
     while view:
         view = view[os.write(fd, view):]
@@ -76,7 +144,7 @@ def _recv(fd: int) -> dict[str, Any] | None:
     if hdr is None:
         return None
     body = _read_exact(fd, _HDR.unpack(hdr)[0])
-    return None if body is None else json.loads(body)
+    return None if body is None else json_loads(body)
 
 
 def _out_of_memory(stderr: bytes) -> bool:
@@ -94,7 +162,7 @@ def _empty_dir(path: str) -> None:
     for e in entries:
         try:
             if e.is_dir(follow_symlinks=False):
-                with contextlib.suppress(OSError):
+                with suppress(OSError):
                     os.chmod(e.path, 0o700)
                 _empty_dir(e.path)
                 os.rmdir(e.path)
@@ -369,11 +437,11 @@ class Server:
         """Kill every process the request left behind, then reap them all."""
         for _ in range(1000):
             if self.mode == "ns":
-                with contextlib.suppress(ProcessLookupError):
+                with suppress(ProcessLookupError):
                     os.kill(-1, signal.SIGKILL)
             else:
                 for p in self._descendants():
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                    with suppress(ProcessLookupError, PermissionError):
                         os.kill(p, signal.SIGKILL)
             try:
                 while True:
@@ -393,7 +461,7 @@ class Server:
                 raise RuntimeError(f"could not wipe {d}")
             if os.stat(d).st_mode & 0o7777 != self.scratch_modes[d]:
                 os.chmod(d, self.scratch_modes[d])
-            with contextlib.suppress(OSError):  # ENOTSUP: no xattrs here
+            with suppress(OSError):  # ENOTSUP: no xattrs here
                 for name in os.listxattr(d):
                     os.removexattr(d, name)
         if self.mode != "host":
@@ -406,12 +474,12 @@ class Server:
             path = os.path.join(self.workdir, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
-                f.write(base64.b64decode(b64))
+                f.write(b64decode(b64))
         compiled: types.CodeType | BaseException | None = None
         if req["argv"] is None and req["language"] == "python":
             try:  # bounded work: CPython's optimizer caps constant folding
                 src = req["files"][req["main"]]
-                compiled = compile(base64.b64decode(src), req["main"], "exec", dont_inherit=True)
+                compiled = compile(b64decode(src), req["main"], "exec", dont_inherit=True)
             except Exception as e:  # SyntaxError, ValueError (NUL bytes), MemoryError, RecursionError
                 compiled = e
         r_out, w_out = os.pipe()
@@ -436,15 +504,17 @@ class Server:
         for name in req["fetch_files"]:  # every request process is gone by now
             data = _read_inside(self.workdir, name, req["max_file"])
             if data is not None:
-                res["files"][name] = base64.b64encode(data).decode()
+                res["files"][name] = b64encode(data)
         return res
 
     def _supervise(self, req: dict[str, Any], pid: int, t0: float, r_out: int, r_err: int, w_in: int) -> dict[str, Any]:
+        import selectors  # imported before the freeze in serve(); the workspace server never needs it
+
         deadline = t0 + req["wall"]
         limit = req["max_out"]
         bufs = {r_out: bytearray(), r_err: bytearray()}
         truncated = {r_out: False, r_err: False}
-        stdin = memoryview(base64.b64decode(req["stdin"]))
+        stdin = memoryview(b64decode(req["stdin"]))
         sel = selectors.DefaultSelector()
         for fd in (r_out, r_err):
             sel.register(fd, selectors.EVENT_READ)
@@ -509,7 +579,7 @@ class Server:
         self.kill_all()
         sel.close()
         for fd in (r_out, r_err, w_in, pidfd):
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 if fd >= 0:
                     os.close(fd)
         wall = time.monotonic() - t0
@@ -530,8 +600,8 @@ class Server:
             "status": status,
             "exit_code": exit_code,
             "signal": sig,
-            "stdout": base64.b64encode(bytes(bufs[r_out])).decode(),
-            "stderr": base64.b64encode(stderr).decode(),
+            "stdout": b64encode(bytes(bufs[r_out])),
+            "stderr": b64encode(stderr),
             "stdout_truncated": truncated[r_out],
             "stderr_truncated": truncated[r_err],
             "wall": wall,
@@ -540,16 +610,16 @@ class Server:
 
     def kill_all_but(self, pid: int) -> None:
         """Stop the whole request tree now (timeouts, floods, leftover orphans)."""
-        with contextlib.suppress(ProcessLookupError):
+        with suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)  # the child's session/group first: atomic against fork bombs
-        with contextlib.suppress(ProcessLookupError):
+        with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         if self.mode == "ns":
-            with contextlib.suppress(ProcessLookupError):
+            with suppress(ProcessLookupError):
                 os.kill(-1, signal.SIGKILL)
         else:
             for p in self._descendants():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
+                with suppress(ProcessLookupError, PermissionError):
                     os.kill(p, signal.SIGKILL)
 
     def _child(self, req: dict[str, Any], r_in: int, w_out: int, w_err: int,
@@ -575,7 +645,7 @@ class Server:
         if req["nproc"]:
             limits.append((resource.RLIMIT_NPROC, (req["nproc"], req["nproc"])))
         for kind, value in limits:
-            with contextlib.suppress(ValueError, OSError):
+            with suppress(ValueError, OSError):
                 resource.setrlimit(kind, value)
         os.chdir(self.workdir)
         os.environ.clear()
@@ -618,11 +688,11 @@ class Server:
                 print(e.code, file=sys.stderr)
                 code = 1
         except MemoryError:
-            with contextlib.suppress(BaseException):
+            with suppress(BaseException):
                 os.write(2, b"MemoryError\n")
             os._exit(1)
         except BaseException as e:
-            with contextlib.suppress(BaseException):  # hide this server's own frame
+            with suppress(BaseException):  # hide this server's own frame
                 import traceback
 
                 traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
@@ -635,6 +705,8 @@ class Server:
         os._exit(code)
 
     def serve(self) -> None:
+        import selectors  # noqa: F401  (used by every request: imported before the heap is frozen)
+
         gc.collect()
         gc.freeze()  # forked children then do not copy-on-write the whole heap when they collect
         _send(self.wfd, {"ready": True, "pid": self.pid})

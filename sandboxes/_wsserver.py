@@ -20,27 +20,33 @@ calls, e.g. the tests' verdict.
 
 argv: MODE WORKDIR ROOT [ROOT ...]   MODE: ``ns`` (PID 1 of its own PID namespace:
 reaps orphans) or ``once`` (serve one request and exit: a ``docker exec``).
+The local backend runs :func:`main` from a precompiled copy (``-c``, see
+agentrl.sandboxes.local_workspace); its imports are kept light (no json, re,
+enum, selectors, contextlib: see :mod:`agentrl.sandboxes._forkserver`), as a
+workspace pays them at every start.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import errno
 import os
 import resource
-import selectors
-import signal
+import select
 import stat
 import sys
 import time
+
+try:
+    import _signal as signal  # see _forkserver: `signal` itself imports enum
+except ImportError:  # pragma: no cover (not CPython)
+    import signal  # type: ignore[no-redef]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _forkserver import Guard, _read_inside, _recv, _send  # noqa: E402
+from _forkserver import Guard, _read_inside, _recv, _send, b64decode, b64encode, suppress  # noqa: E402
 
 
 def inside(roots: list[str], path: str, workdir: str) -> tuple[str, str] | None:
@@ -120,7 +126,7 @@ class WorkspaceServer:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return {"error": f"{req['path']!r} is not a regular file"}
-            view = memoryview(base64.b64decode(req["data"]))
+            view = memoryview(b64decode(req["data"]))
             while view:
                 view = view[os.write(fd, view):]
             os.fchmod(fd, req.get("mode", 0o644))
@@ -138,7 +144,7 @@ class WorkspaceServer:
         if data is None:
             return {"error": f"{req['path']!r}: no regular file inside the workspace"}
         cap = int(req.get("max", 1 << 20))
-        return {"data": base64.b64encode(data[:cap]).decode(), "truncated": len(data) > cap}
+        return {"data": b64encode(data[:cap]), "truncated": len(data) > cap}
 
     def exec(self, req: dict[str, Any]) -> dict[str, Any]:
         r_in, w_in = os.pipe()
@@ -166,7 +172,7 @@ class WorkspaceServer:
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.umask(0o022)
         self.guard.confine()  # dumpable again: its own /proc files are its own
-        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+        with suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")  # a memory bomb is the OOM killer's victim, never the server (raising needs no privilege)
         limits = [(resource.RLIMIT_CORE, (0, 0))]
         if req.get("mem"):
@@ -174,9 +180,9 @@ class WorkspaceServer:
         if req.get("max_file"):
             limits.append((resource.RLIMIT_FSIZE, (req["max_file"], req["max_file"])))
         for kind, value in limits:
-            with contextlib.suppress(ValueError, OSError):
+            with suppress(ValueError, OSError):
                 resource.setrlimit(kind, value)
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.chdir(req.get("cwd") or self.workdir)
         shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
         try:
@@ -190,16 +196,23 @@ class WorkspaceServer:
         cap = int(req["max_out"])
         bufs = {r_out: bytearray(), r_err: bytearray()}
         cut = {r_out: False, r_err: False}
-        stdin = memoryview(base64.b64decode(req.get("stdin", "")))
-        sel = selectors.DefaultSelector()
+        stdin = memoryview(b64decode(req.get("stdin", "")))
+        poll = select.poll()
         for fd in (r_out, r_err):
             os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ)
+            poll.register(fd, select.POLLIN)
+        readers = {r_out, r_err}
         if stdin:
             os.set_blocking(w_in, False)
-            sel.register(w_in, selectors.EVENT_WRITE)
+            poll.register(w_in, select.POLLOUT)
         else:
             os.close(w_in)
+            w_in = -1
+        try:  # readable when the command exits: no polling, and no wait once its pipes are closed
+            pidfd = os.pidfd_open(pid)
+            poll.register(pidfd, select.POLLIN)
+        except (AttributeError, OSError):
+            pidfd = -1
         deadline = t0 + float(req["timeout"])
         status = None
         timed_out = False
@@ -212,25 +225,37 @@ class WorkspaceServer:
                     drain_until = now + 0.05
             if status is None and now >= deadline:
                 timed_out = True
-                with contextlib.suppress(OSError):
+                with suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)
-                with contextlib.suppress(OSError):
+                with suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
                 _, status = os.waitpid(pid, 0)
                 drain_until = time.monotonic() + 0.05
-            readers = [k for k in sel.get_map().values() if k.fd in bufs]
             if drain_until is not None and (time.monotonic() >= drain_until or not readers):
                 break
-            limit = (drain_until if drain_until is not None else min(deadline, now + 0.05)) - time.monotonic()
-            for key, _ in sel.select(max(0.0, min(limit, 0.05))):
-                fd = key.fd
+            if drain_until is not None:
+                limit = drain_until - time.monotonic()
+            elif pidfd >= 0:
+                limit = deadline - time.monotonic()
+            else:  # no pidfd (old kernel): poll for the exit
+                limit = min(deadline - time.monotonic(), 0.05 if readers else 0.002)
+            for fd, _ in poll.poll(max(0.0, limit) * 1000):
+                if fd == pidfd:
+                    poll.unregister(pidfd)
+                    os.close(pidfd)
+                    pidfd = -1
+                    if status is None:
+                        status = self.reap(pid)
+                        if status is not None:
+                            drain_until = time.monotonic() + 0.05
+                    continue
                 if fd == w_in:
                     try:
                         stdin = stdin[os.write(w_in, stdin[:65536]):]
                     except OSError:
                         stdin = memoryview(b"")
                     if not stdin:
-                        sel.unregister(w_in)
+                        poll.unregister(w_in)
                         os.close(w_in)
                         w_in = -1
                     continue
@@ -239,26 +264,24 @@ class WorkspaceServer:
                 except BlockingIOError:
                     continue
                 if not chunk:
-                    sel.unregister(fd)
+                    poll.unregister(fd)
+                    readers.discard(fd)
                     continue
                 room = cap + 1 - len(bufs[fd])
                 if room > 0:
                     bufs[fd] += chunk[:room]
                 if len(chunk) > room:
                     cut[fd] = True
-        for key in list(sel.get_map().values()):
-            sel.unregister(key.fd)
-        sel.close()
-        for fd in (r_out, r_err, w_in):
+        for fd in (r_out, r_err, w_in, pidfd):
             if fd >= 0:
-                with contextlib.suppress(OSError):
+                with suppress(OSError):
                     os.close(fd)
         code = os.waitstatus_to_exitcode(status) if status is not None else None
         return {
             "exit_code": code,
             "timed_out": timed_out,
-            "stdout": base64.b64encode(bytes(bufs[r_out][:cap])).decode(),
-            "stderr": base64.b64encode(bytes(bufs[r_err][:cap])).decode(),
+            "stdout": b64encode(bytes(bufs[r_out][:cap])),
+            "stderr": b64encode(bytes(bufs[r_err][:cap])),
             "stdout_truncated": cut[r_out] or len(bufs[r_out]) > cap,
             "stderr_truncated": cut[r_err] or len(bufs[r_err]) > cap,
             "wall": time.monotonic() - t0,
@@ -280,8 +303,13 @@ class WorkspaceServer:
                 return
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "ns":
+def main(argv: list[str]) -> None:
+    """``MODE WORKDIR ROOT [ROOT ...]`` (the module docstring)."""
+    if argv[0] == "ns":
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(s, signal.SIG_DFL)
-    WorkspaceServer(sys.argv[1], sys.argv[2], sys.argv[3:]).serve()
+    WorkspaceServer(argv[0], argv[1], argv[2:]).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -26,3 +26,34 @@ def test_filter_is_well_formed_on_every_supported_architecture(machine: str) -> 
 def test_unknown_architecture_is_refused_with_the_supported_ones() -> None:
     with pytest.raises(RuntimeError, match=r"riscv64.*aarch64.*x86_64"):
         seccomp_filter([1], [1], "riscv64")
+
+
+def test_the_servers_json_and_base64_are_the_stdlibs() -> None:
+    """The fork/workspace servers frame with _json and binascii (no json, base64: they import re)."""
+    import base64
+    import json
+
+    from agentrl.sandboxes._forkserver import b64decode, b64encode, json_dumps, json_loads
+
+    values = [
+        {"op": "exec", "cmd": "echo 'h\u00e9llo' \"$X\"\n", "stdin": "", "timeout": 30.0, "max_out": 65536,
+         "cwd": None, "env": {"PATH": "/usr/bin", "LANG": "C.UTF-8"}},
+        {"exit_code": -9, "timed_out": True, "wall": 0.1234567890123, "big": 2**70, "neg": -0.0},
+        {"nested": [[], {}, [1, [2, [3]]], "\x00\x1f\u2028\udcff\U0001f600", True, False, None]},
+        {"nan": float("nan"), "inf": float("inf")},
+        [], "", 0,
+    ]
+    for value in values:
+        text = json_dumps(value)
+        assert text == json.dumps(value)
+        assert json.dumps(json_loads(text.encode())) == json.dumps(json.loads(text))
+    assert json_loads(' \n{"a": [1, 2.5e3, "\\u00e9", -Infinity]}\t') == {"a": [1, 2500.0, "\u00e9", float("-inf")]}
+    for bad in (b'{"a": 1} {}', b'{"a"', b"", b"[1,]"):
+        with pytest.raises(ValueError):
+            json_loads(bad)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        json_dumps({"x": object()})
+    for n in range(70):
+        data = bytes(range(256))[n:] * (n % 3)
+        assert b64encode(data) == base64.b64encode(data).decode()
+        assert b64decode(b64encode(data)) == data

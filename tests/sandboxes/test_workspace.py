@@ -231,6 +231,25 @@ async def test_limits(local: object) -> None:
         assert (await ws.exec("echo ok")).stdout == "ok\n"
 
 
+async def test_the_server_starts_from_bytecode_and_imports_little(local: object) -> None:
+    """A start compiles nothing and imports no json/re/enum (each costs every workspace start)."""
+    from agentrl.sandboxes.local_workspace import SERVER_FILES
+
+    async with local.workspace(WorkspaceSpec()) as ws:
+        assert (await ws.exec("ls /.agentrl/__pycache__")).stdout.count(".pyc") >= len(SERVER_FILES)
+    server_dir, python = local._dir, local.config.python
+    code = ("import sys; base = set(sys.modules); sys.path.insert(0, sys.argv[1]); import _wsserver\n"
+            "print(' '.join(sorted(set(sys.modules) - base)))")
+    r = subprocess.run([python, "-I", "-S", "-v", "-c", code, str(server_dir)], capture_output=True, text=True,
+                       timeout=60, check=True)
+    for name in SERVER_FILES:  # loaded from the bytecode the sandbox compiled, not from source
+        assert f"code object from '{server_dir}/__pycache__/{name[:-3]}." in r.stderr, r.stderr[-2000:]
+    imported = set(r.stdout.split())
+    assert {"_wsserver", "_forkserver"} <= imported
+    heavy = {"json", "re", "enum", "base64", "selectors", "contextlib", "signal", "collections", "functools"}
+    assert imported & heavy == set()
+
+
 async def test_sandboxfusion_says_not_supported() -> None:
     from agentrl.sandboxes.sandboxfusion import SandboxFusionConfig, SandboxFusionSandbox
 
