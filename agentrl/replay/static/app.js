@@ -362,6 +362,8 @@ function conversationView(t, layout) {
   });
   flush();
   const nTurns = Math.max(turn + 1, 0);
+  const verdict = testsVerdict(t, nTurns);
+  if (verdict) wrap.appendChild(verdict);
   const label = h("span", { id: "play-label" });
   const controls = h("div", { class: "playback panel" },
     h("b", { text: "Playback" }),
@@ -379,6 +381,21 @@ function conversationView(t, layout) {
     h("details", { class: "panel" }, h("summary", { text: "task" }), h("pre", { class: "code", text: JSON.stringify(t.task, null, 2) })));
   setPlay(wrap, label, nTurns, nTurns);
   return out;
+}
+
+// The verdict of the task's own tests (terminal and harbor envs put it in the reward breakdown: tests,
+// tests_exit_code, tests_timed_out), after the last turn: it is what the episode ended with.
+function testsVerdict(t, nTurns) {
+  const b = t.reward_breakdown || {};
+  if (!("tests_exit_code" in b)) return null;
+  const timedOut = Number(b.tests_timed_out) > 0;
+  const code = Number(b.tests_exit_code);
+  const reward = Number(b.tests);  // what the tests wrote (Harbor: the reward file), whatever their exit code
+  const word = timedOut || !(reward > 0) ? "failed" : reward >= 1 ? "passed" : "partly passed";
+  const how = timedOut ? "timed out" : code < 0 ? "no exit code" : `exit code ${code}`;
+  return h("div", { class: `msg verdict ${word === "passed" ? "pass" : "fail"}`, id: "tests-verdict", dataset: { turn: String(Math.max(nTurns - 1, 0)), role: "verdict" } },
+    h("div", { class: "role", text: "tests · verdict" }),
+    h("pre", { class: "content", text: `${word}: reward ${fmt(b.tests)} (${how})` }));
 }
 
 function findSandbox(info) {
