@@ -61,15 +61,19 @@ SERVER_FILES = ("_wsserver.py", "_forkserver.py")
 SERVER_MOUNT = "/.agentrl"
 _SERVER_MAIN = f"import sys; sys.path.insert(0, {SERVER_MOUNT!r}); import _wsserver; _wsserver.main(sys.argv[1:])"
 
-# $1..$4: the workspace's host dir, lowerdir, upperdir, workdir; $5: tmpfs size (MB; 0: none);
-# then the cgroup.procs files to join, "--", and the command. Joining comes first: nothing has forked yet.
+# $1..$4: the workspace's host dir, lowerdir, upperdir, workdir; $5: tmpfs size (MB; 0: none); then the
+# cgroup.procs files to join, "--", and the command. A first move into a cgroup waits for an
+# RCU grace period (~10 ms): a background subshell moves this shell ($$) while it mounts, and `wait` holds
+# the exec of the sandbox until it is in. (What the shell forks before the move, mount and mkdir, stays
+# outside; the sandbox is started after it.)
 _MOUNT_SH = r"""set -e
 D=$1; LOWER=$2; UP=$3; WK=$4; DISK=$5; shift 5
-while [ "$1" != -- ]; do echo $$ 2>/dev/null > "$1" || true; shift; done
-shift
+(while [ "$1" != -- ]; do echo $$ 2>/dev/null > "$1" || true; shift; done) &
+while [ "$1" != -- ]; do shift; done; shift
 if [ "$DISK" != 0 ]; then mount -t tmpfs -o "size=${DISK}m,mode=0755" tmpfs "$D/mnt"; fi
 mkdir -p "$UP" "$WK"
 mount -t overlay overlay -o "lowerdir=$LOWER,upperdir=$UP,workdir=$WK" "$D/merged"
+wait
 exec "$@"
 """
 
