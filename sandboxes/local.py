@@ -48,7 +48,7 @@ from .base import (
     decode_capped,
     sandbox_error,
 )
-from .local_workspace import SERVER_FILES, LocalPrepared, LocalWorkspace, prepare_local
+from .local_workspace import SERVER_FILES, LocalPrepared, LocalWorkspace, forget_compiled, prepare_local
 from .workspace import PreparedState, WorkspaceSpec, WorkspaceUnsupported
 
 log = logging.getLogger(__name__)
@@ -522,4 +522,5 @@ class LocalSandbox(BaseSandbox):
         workers = list(self._live)
         self._live.clear()
         await asyncio.gather(*(w.close() for w in workers), *self._closing, return_exceptions=True)
+        forget_compiled(self._dir)
         shutil.rmtree(self._dir, ignore_errors=True)

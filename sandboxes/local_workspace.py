@@ -105,6 +105,13 @@ def compile_servers(server_dir: Path, python: str, timeout_s: float = 60.0) -> b
         return True
 
 
+def forget_compiled(server_dir: Path) -> None:
+    """The sandbox that owned ``server_dir`` closed (its dir is removed)."""
+    with _compile_lock:
+        for key in [k for k in _compiled if k[0] == str(server_dir)]:
+            _compiled.discard(key)
+
+
 def reap_stale_dirs(tmp: Path | None = None) -> None:
     """Remove workspace temp dirs left by dead processes (a killed run)."""
     base = tmp or Path(tempfile.gettempdir())

@@ -235,8 +235,11 @@ async def test_the_server_starts_from_bytecode_and_imports_little(local: object)
     """A start compiles nothing and imports no json/re/enum (each costs every workspace start)."""
     from agentrl.sandboxes.local_workspace import SERVER_FILES
 
-    async with local.workspace(WorkspaceSpec()) as ws:
-        assert (await ws.exec("ls /.agentrl/__pycache__")).stdout.count(".pyc") >= len(SERVER_FILES)
+    async with local.workspace(WorkspaceSpec()) as ws:  # inside, as the server itself starts
+        r = await ws.exec(f"{local.config.python} -I -S -v -c 'import sys; sys.path.insert(0, \"/.agentrl\"); "
+                          "import _wsserver'")
+        for name in SERVER_FILES:
+            assert f"code object from '/.agentrl/__pycache__/{name[:-3]}." in r.stderr, r.stderr[-2000:]
     server_dir, python = local._dir, local.config.python
     code = ("import sys; base = set(sys.modules); sys.path.insert(0, sys.argv[1]); import _wsserver\n"
             "print(' '.join(sorted(set(sys.modules) - base)))")
