@@ -9,12 +9,12 @@ any), then execs ``bwrap`` (everything unshared, as in one-shot requests) with
 the merged view's dirs bound at the workspace's writable dirs. Inside,
 :mod:`agentrl.sandboxes._wsserver` is PID 1 and serves exec/read/write.
 
-What a start costs, and what keeps it low (docs/terminal.md, "Speed"): no
+What a start costs, and what keeps it low (docs/terminal.md, "Measured"): no
 ``preexec_fn`` (the host spawns with vfork, which does not copy a large host
 process's page tables, and runs no Python between fork and exec); the
 writable dirs exist in the lower layer before the mount (no mkdir/chown per
 dir inside); the server runs from bytecode compiled once per sandbox
-(:func:`compile_servers`) and imports no json/re/enum (~25 ms of CPU less per
+(:func:`compile_servers`) and imports no json/re/enum (~23 ms of CPU less per
 start than compiling and importing them).
 
 Debian 12's bubblewrap 0.8 has no ``--overlay``; kernel overlayfs mounts fine
