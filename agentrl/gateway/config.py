@@ -6,6 +6,8 @@ import ipaddress
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentrl.gateway.protocol import GatewayError
+
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -35,6 +37,10 @@ class GatewayConfig(BaseModel):
         "already shows the call format (calls are parsed either way)",
     )
     max_sessions: int = Field(default=4096, ge=1, description="open sessions at once; opening more is a 429")
+    model_policies: dict[str, str] = Field(default_factory=dict,
+        description="a request's `model` -> the policy (LoRA adapter) that samples it and is recorded on its turns "
+        "(Turn.policy); empty = one policy, the `model` field is ignored; else `model` must be one of the keys",
+    )
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> GatewayConfig:
@@ -44,3 +50,22 @@ class GatewayConfig(BaseModel):
                 "only callers holding it (or a session key) can use the engine"
             )
         return self
+
+    @model_validator(mode="after")
+    def _policy_names(self) -> GatewayConfig:
+        for model, policy in self.model_policies.items():
+            if not model or not policy:
+                raise ValueError(f"gateway.model_policies: {model!r}: {policy!r}: model and policy names must be non-empty")
+        return self
+
+    def policy_of(self, model: str) -> str | None:
+        """The policy that samples a request naming `model` (None: no mapping, the engine's own weights); a 404
+        naming the served models when `model_policies` is set and `model` is none of them."""
+        if not self.model_policies:
+            return None
+        policy = self.model_policies.get(model)
+        if policy is None:
+            served = ", ".join(repr(m) for m in self.model_policies)
+            raise GatewayError(404, f"model {model!r} is not served here; the models are {served} (one per policy, "
+                               "gateway.model_policies)", param="model", code="model_not_found")
+        return policy

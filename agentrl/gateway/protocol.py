@@ -81,6 +81,7 @@ class ChatRequest:
     return_token_ids: bool
     model: str
     constraint: Constraint | None = None
+    policy: str | None = None  # the policy (LoRA adapter) that samples this call (`GatewayConfig.model_policies`)
 
 
 @dataclass(slots=True)

@@ -221,21 +221,26 @@ class Gateway:
             self._session(request)
         elif self.config.token and self._bearer(request) != self.config.token:
             self._session(request)  # a session key will do; anything else is a 401
-        model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
-        return web.json_response({"object": "list", "data": [model]})
+        names = list(self.config.model_policies) or [self.config.model_name]
+        models = [{"id": name, "object": "model", "created": 0, "owned_by": "agentrl"} for name in names]
+        return web.json_response({"object": "list", "data": models})
+
+    def _policy(self, chat: ChatRequest) -> str:
+        """Set the policy that samples `chat` (from its `model`, `gateway.model_policies`); the model name its
+        reply carries. A model the mapping does not hold is a 404 naming the served ones."""
+        chat.policy = self.config.policy_of(chat.model)
+        return chat.model if chat.policy is not None else self.config.model_name
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         body = await self._json(request)
         chat = parse_chat_request(body, session.backend.sampling)
+        model = self._policy(chat)
         if chat.stream:
-            return await self._chat_stream(request, session, chat, fingerprint(body))
+            writer = ChatWriter(model, chat, session.backend.tokenizer.decode)
+            return await self.stream_answer(request, session, chat, fingerprint(body), writer)
         result = await session.chat(chat, fingerprint(body))
-        return web.json_response(chat_response(result, chat, self.config.model_name, session.backend.tokenizer.decode))
-
-    async def _chat_stream(self, request: web.Request, session: Session, chat: ChatRequest, key: str) -> web.StreamResponse:
-        return await self.stream_answer(request, session, chat, key, ChatWriter(self.config.model_name, chat,
-                                                                                 session.backend.tokenizer.decode))
+        return web.json_response(chat_response(result, chat, model, session.backend.tokenizer.decode))
 
     async def stream_answer(self, request: web.Request, session: Session, chat: ChatRequest, key: str,
                             writer: AnswerWriter) -> web.StreamResponse:
@@ -301,12 +306,13 @@ class Gateway:
             session = self._session(request)
             body = await self._json(request)
             call = anthropic_api.parse_messages_request(body, session.backend.sampling, session.threads)
-            writer = anthropic_api.MessagesWriter(self.config.model_name, call)
+            model = self._policy(call.chat)
+            writer = anthropic_api.MessagesWriter(model, call)
             if call.chat.stream:
                 return await self.stream_answer(request, session, call.chat, fingerprint(body), writer)
             result = await session.chat(call.chat, fingerprint(body))
             call.keep(writer.id, result)
-            return web.json_response(anthropic_api.message_response(result, self.config.model_name, writer.id))
+            return web.json_response(anthropic_api.message_response(result, model, writer.id))
         except GatewayError as e:
             return web.json_response(anthropic_api.error_body(e), status=e.status)
 
@@ -315,7 +321,7 @@ class Gateway:
         session = self._session(request)
         body = await self._json(request)
         call = responses_api.parse_responses_request(body, session.backend.sampling, session.responses)
-        writer = responses_api.ResponsesWriter(self.config.model_name, call)
+        writer = responses_api.ResponsesWriter(self._policy(call.chat), call)
         if call.chat.stream:
             return await self.stream_answer(request, session, call.chat, fingerprint(body), writer)
         result = await session.chat(call.chat, fingerprint(body))
@@ -345,12 +351,15 @@ class Gateway:
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         seed = body.get("seed") if isinstance(body.get("seed"), int) else None
-        completion = await session.complete(prompt, max_tokens, stop, seed)
+        model = str(body.get("model", ""))
+        policy = self.config.policy_of(model)
+        completion = await session.complete(prompt, max_tokens, stop, seed, policy)
         decode = backend.tokenizer.decode
         eos = backend.tokenizer.eos_ids
         ids = completion.ids
         text = decode(ids[:-1] if ids and ids[-1] in eos else ids)
-        out = completion_response(completion, prompt, text, self.config.model_name, logprobs=body.get("logprobs") is not None,
+        out = completion_response(completion, prompt, text, model if policy is not None else self.config.model_name,
+                                  logprobs=body.get("logprobs") is not None,
                                   decode=decode, echo_ids=bool(body.get("return_token_ids")))
         if not body.get("stream"):
             return web.json_response(out)

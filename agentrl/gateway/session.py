@@ -265,7 +265,8 @@ class Session:
         limit = conv.max_new_tokens()
         max_tokens = min(limit, request.max_tokens) if request.max_tokens else limit
         prompt_ids = list(conv.token_ids) if request.return_token_ids else None
-        completion = await self._sample(conv.token_ids, max_tokens, request.stop, request.seed, on_tokens, grammar)
+        completion = await self._sample(conv.token_ids, max_tokens, request.stop, request.seed, on_tokens, grammar,
+                                        request.policy)
         eos = b.tokenizer.eos_ids
         ids = completion.ids
         text = b.tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids)
@@ -274,6 +275,7 @@ class Session:
             conv.add_completion(completion, message)
             if request.constraint is not None:  # sampled from the masked distribution: the logprobs are of that one
                 conv.turns[-1].info["constrained"] = request.constraint.label
+            conv.turns[-1].policy = request.policy
             branch.seen.append(message)
             branch.calls.append(self.calls)
             self.calls += 1
@@ -295,13 +297,13 @@ class Session:
 
     async def _sample(
         self, prompt: list[int], max_tokens: int, stop: Sequence[str], seed: int | None,
-        on_tokens: OnTokens | None = None, grammar: str | None = None,
+        on_tokens: OnTokens | None = None, grammar: str | None = None, policy: str | None = None,
     ) -> Completion:
         b = self.backend
         sampling = Sampling(
             max_tokens=max_tokens, temperature=b.sampling.temperature, top_p=b.sampling.top_p,
             top_k=b.sampling.top_k, stop_ids=tuple(b.tokenizer.eos_ids),
-            stop_strings=tuple(dict.fromkeys((*b.stop_strings, *stop))), seed=seed, grammar=grammar,
+            stop_strings=tuple(dict.fromkeys((*b.stop_strings, *stop))), seed=seed, grammar=grammar, adapter=policy,
         )
         try:
             async with asyncio.timeout(b.generate_timeout_s):
@@ -321,8 +323,10 @@ class Session:
 
     # -- token-id calls
 
-    async def complete(self, prompt: list[int], max_tokens: int | None, stop: Sequence[str], seed: int | None) -> Completion:
-        """Answer one `/v1/completions` call on the token branch whose ids the prompt extends."""
+    async def complete(self, prompt: list[int], max_tokens: int | None, stop: Sequence[str], seed: int | None,
+                       policy: str | None = None) -> Completion:
+        """Answer one `/v1/completions` call on the token branch whose ids the prompt extends (sampled by
+        `policy`'s adapter when given)."""
         async with self._lock:
             self._check_open()
             budget = self.backend.budgets
@@ -335,7 +339,8 @@ class Session:
                 raise bad(f"the prompt has {len(prompt)} tokens, max_total_tokens={budget.max_total_tokens}",
                           "prompt", "context_length_exceeded")
         limit = min(budget.max_new_tokens_per_turn, budget.max_total_tokens - len(prompt))
-        completion = await self._sample(prompt, min(limit, max_tokens) if max_tokens else limit, stop, seed)
+        completion = await self._sample(prompt, min(limit, max_tokens) if max_tokens else limit, stop, seed,
+                                        policy=policy)
         async with self._lock:
             if prompt[: len(branch.ids)] != branch.ids:  # another call moved the branch meanwhile: fork
                 branch = TokenBranch(len(self.token_branches), [], [], [], [])
@@ -347,7 +352,7 @@ class Session:
             branch.logprobs += [0.0] * len(extra) + completion.logprobs
             branch.versions += [-1] * len(extra) + completion.versions
             end = len(branch.ids)
-            branch.turns.append(Turn(end - n, end, 0.0, [], {"finish_reason": completion.finish_reason}))
+            branch.turns.append(Turn(end - n, end, 0.0, [], {"finish_reason": completion.finish_reason}, policy=policy))
             branch.calls.append(self.calls)
             self.calls += 1
             self.last_branch = branch
