@@ -57,7 +57,7 @@ async def test_two_openai_sdk_agents_naming_two_models_give_turns_of_two_policie
     gw, engine, tok = served
     session = gw.open_session()
     async with openai.AsyncOpenAI(base_url=gw.base_url(session), api_key=session.key, max_retries=0) as client:
-        task = [{"role": "user", "content": "Pick a number and check it."}]
+        task: list[Any] = [{"role": "user", "content": "Pick a number and check it."}]
         proposal = await client.chat.completions.create(
             model="proposer-model", messages=[{"role": "system", "content": "You propose."}, *task])
         said = proposal.choices[0].message.content
@@ -114,7 +114,8 @@ async def test_langgraph_graph_of_two_models_samples_each_node_with_its_policy(
     graph.add_node("check", check)
     graph.add_edge(START, "propose")
     graph.add_edge("propose", "check")
-    out = await graph.compile().ainvoke({"messages": [("user", "Pick a number and check it.")]})
+    start: Any = {"messages": [("user", "Pick a number and check it.")]}
+    out = await graph.compile().ainvoke(start)
     assert [m.content for m in out["messages"][1:]] == ["I propose 7.", "Checked: 7 is right."]
     gw.close_session(session)
     assert engine.asked == ["proposer", "checker"]
