@@ -49,8 +49,11 @@ class ProposeCheckEnv(Env[ProposeCheckConfig]):
     def __init__(self, config: ProposeCheckConfig | None = None) -> None:
         super().__init__(config)
         c = self.config
-        self.problems = CalculatorEnv(CalculatorConfig(digits=c.digits, num_operands=c.num_operands, style=c.style,
-                                                       seed=c.seed, n_train=c.n_train, n_test=c.n_test))
+        problems = CalculatorConfig.model_validate(
+            {"digits": c.digits, "num_operands": c.num_operands, "style": c.style, "seed": c.seed,
+             "n_train": c.n_train, "n_test": c.n_test}
+        )
+        self.problems = CalculatorEnv(problems)
         self.task: Task = {}
         self.next: str | None = None
         self.proposal: float | None = None

@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.chat.conversation import ChatTokenizer
-from agentrl.engines.base import EngineHealth, Sampling, TokenDelta, WeightSource
+from agentrl.engines.base import AdapterSpec, EngineHealth, Sampling, TokenDelta, WeightSource
 from agentrl.types import Completion, FinishReason
 
 
@@ -65,7 +65,11 @@ class Distribution(BaseModel):
 
 
 class ScriptedEngine:
-    """Returns scripted replies as token ids, with a configurable timing model."""
+    """Returns scripted replies as token ids, with a configurable timing model.
+
+    An `AdapterEngine` too: named adapters (`Sampling.adapter`) reply as the base
+    does and tag their tokens with the adapter's version, for multi-policy dry runs.
+    """
 
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -122,6 +126,7 @@ class ScriptedEngine:
         self._busy_integral = 0.0
         self.calls = 0
         self.tokens_generated = 0
+        self.adapter_versions: dict[str, int] = {}  # AdapterEngine: named adapters reply as the base does
 
     @classmethod
     def from_config(
@@ -136,6 +141,8 @@ class ScriptedEngine:
         """What every request does first: refuse when closed, count it, fail at `error_rate`, pick the reply."""
         if self._closed:
             raise RuntimeError("scripted engine is closed")
+        if sampling.adapter is not None and sampling.adapter not in self.adapter_versions:
+            raise KeyError(f"scripted engine holds no adapter {sampling.adapter!r} (it has {sorted(self.adapter_versions)})")
         self.calls += 1
         if self.config.error_rate and self._rng.random() < self.config.error_rate:
             raise RuntimeError("scripted engine failure (error_rate)")
@@ -144,6 +151,10 @@ class ScriptedEngine:
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling) -> Completion:
         cfg = self.config
         ids, finish = self._begin(prompt_ids, sampling)
+        if sampling.adapter is not None:  # an adapter's tokens carry its version (no timing model per adapter)
+            await asyncio.sleep(cfg.ttft_s.sample(self._rng) + len(ids) * cfg.per_token_s)
+            self.tokens_generated += len(ids)
+            return Completion(ids, [cfg.logprob] * len(ids), [self.adapter_versions[sampling.adapter]] * len(ids), finish)
         if self._zero_latency:  # no awaits at all (the rollout-overhead benchmark)
             n = len(ids)
             self.tokens_generated += n
@@ -177,7 +188,10 @@ class ScriptedEngine:
             for i, token in enumerate(ids):
                 if i:
                     await asyncio.sleep(cfg.per_token_s)  # sleep(0) still lets the reader run between tokens
-                version = self.policy_version if self._zero_latency else self._version_at(start + ttft + i * cfg.per_token_s)
+                if sampling.adapter is not None:
+                    version = self.adapter_versions[sampling.adapter]
+                else:
+                    version = self.policy_version if self._zero_latency else self._version_at(start + ttft + i * cfg.per_token_s)
                 self.tokens_generated += 1
                 yield TokenDelta([token], [cfg.logprob], [version], finish if i == len(ids) - 1 else None)
             if not ids:
@@ -256,6 +270,15 @@ class ScriptedEngine:
         if self.config.update_latency_s:
             await asyncio.sleep(self.config.update_latency_s)
         self.set_version(version)
+
+    async def update_adapter(self, name: str, weights: WeightSource, version: int, spec: AdapterSpec) -> None:
+        """Hold adapter `name` at `version` (its tensors are consumed, not used: it replies as the base)."""
+        for _bucket in weights.buckets():
+            pass
+        self.adapter_versions[name] = version
+
+    async def remove_adapter(self, name: str) -> None:
+        del self.adapter_versions[name]
 
     def set_version(self, version: int) -> None:
         """Serve `version` from now on (tokens produced after this instant carry it)."""

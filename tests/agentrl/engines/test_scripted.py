@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import pydantic
 import pytest
 
+from agentrl.chat.conversation import SimpleChatTokenizer
 from agentrl.engines.base import InferenceEngine, Sampling
 from agentrl.engines.scripted import Distribution, ScriptedEngine
 
@@ -130,3 +132,25 @@ async def test_error_rate_raises_and_close_refuses() -> None:
     assert not (await eng.health()).ok
     with pytest.raises(RuntimeError, match="closed"):
         await eng.generate([0], Sampling())
+
+
+async def test_named_adapters_tag_their_tokens_with_their_own_version() -> None:
+    from agentrl.engines.base import AdapterEngine, AdapterSpec
+
+    eng = ScriptedEngine(ScriptedEngine.Config(replies=["hi"]), tokenizer=SimpleChatTokenizer())
+    assert isinstance(eng, AdapterEngine)
+    spec = AdapterSpec(4, 8.0, ("q_proj",))
+    await eng.update_adapter("alice", _NoWeights(), 3, spec)
+    done = await eng.generate([1, 2], Sampling(max_tokens=8, adapter="alice"))
+    assert set(done.versions) == {3} and eng.adapter_versions == {"alice": 3}
+    assert set((await eng.generate([1, 2], Sampling(max_tokens=8))).versions) == {0}
+    with pytest.raises(KeyError, match="bob"):
+        await eng.generate([1, 2], Sampling(max_tokens=8, adapter="bob"))
+    await eng.remove_adapter("alice")
+    with pytest.raises(KeyError, match="alice"):
+        await eng.generate([1, 2], Sampling(max_tokens=8, adapter="alice"))
+
+
+class _NoWeights:
+    def buckets(self) -> Any:
+        return iter([])
