@@ -12,6 +12,13 @@ into what the page draws, in order:
    chart per metric that changes;
 3. one line of the metrics that never change (a flat chart says nothing).
 
+A multi-policy run (`policies:`) logs each policy's metrics as
+`policy/<name>/<key>` and its held-out scores as `eval/policy/<name>/<key>`:
+those are drawn one series per policy on shared charts (each policy keeps its
+colour on every chart): held-out win rate and training reward per policy right
+after the reward chart, the other keys in the `policy` group. A run without
+them draws exactly what it drew before.
+
 Metric names that have moved between versions are looked up by their
 candidates in order (the first one present is drawn).
 """
@@ -19,6 +26,7 @@ candidates in order (the first one present is drawn).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +74,15 @@ SHARES = ("memory/engine/", "memory/trainer/")
 """Prefixes of the parts' own memory shares: drawn as extra lines of the memory chart."""
 
 TOP_LEVEL = "step"
+
+POLICY_METRIC = re.compile(r"^(eval/)?policy/([A-Za-z][A-Za-z0-9_-]{0,63})/(.+)$")
+"""A per-policy metric: `policy/<name>/<key>` (training) or `eval/policy/<name>/<key>` (held-out)."""
+POLICY_GROUP = "policy"
+POLICY_HEADLINES = (  # (chart id, title, pattern: `*` stands for each policy's name)
+    ("policy-win-rate", "held-out win rate per policy", "eval/policy/*/win_rate"),
+    ("policy-reward", "training reward per policy", "policy/*/reward/mean"),
+)
+"""Per-policy headline charts, shown right after the reward chart."""
 """The group of metric names without a prefix (loss, grad_norm, lr, ...)."""
 
 
@@ -77,7 +94,8 @@ def overview_layout(
     `metrics` is `TrajectoryStore.metrics()`, `steps` is `TrajectoryQueries.step_rewards()`.
     """
     table = _series_table(metrics, steps)
-    used: set[str] = set()
+    per_policy = _policy_series(table)
+    used: set[str] = {k for series in per_policy.values() for k in series.values()}
     headline = []
     for h in HEADLINES:
         series = []
@@ -96,8 +114,20 @@ def overview_layout(
                 chart["band"] = [[s["step"], s["reward_min"], s["reward_max"]] for s in steps
                                  if s["reward_min"] is not None]  # fmt: skip
             headline.append(chart)
+    names = sorted({name for series in per_policy.values() for name in series})
+    shared = {pattern: _per_policy(pattern, series, table, names) for pattern, series in per_policy.items()}
+    at = 1 if headline and headline[0]["id"] == "reward" else 0
+    headline[at:at] = [shared.pop(pattern) | {"id": id, "title": title}
+                       for id, title, pattern in POLICY_HEADLINES if pattern in shared]  # fmt: skip
     groups: dict[str, list[Layout]] = {}
     constants: list[list[Any]] = []
+    for pattern in sorted(shared):
+        chart = shared[pattern]
+        if all(len({p[1] for p in s["points"] if p[1] is not None}) <= 1 for s in chart["series"]):
+            constants.extend([s["key"], next((p[1] for p in s["points"] if p[1] is not None), None)]
+                             for s in chart["series"])  # fmt: skip
+        else:
+            groups.setdefault(POLICY_GROUP, []).append(chart)
     stored = [("step:length_mean", "stored trajectories: length (mean tokens, prompt included)"),
               ("step:errors_truncations", "stored trajectories: errors + truncations")]  # fmt: skip
     for key, title in stored:
@@ -111,12 +141,35 @@ def overview_layout(
             continue
         prefix = key.split("/", 1)[0] if "/" in key else TOP_LEVEL
         groups.setdefault(prefix, []).append(_single(key, key, points))
-    order = sorted(groups, key=lambda p: (p != "trajectories", p != TOP_LEVEL, p))
+    order = sorted(groups, key=lambda p: (p != "trajectories", p != TOP_LEVEL, p != POLICY_GROUP, p))
     return {
         "headline": headline,
         "groups": [{"prefix": p, "charts": groups[p]} for p in order],
         "constants": constants,
     }
+
+
+def _policy_series(table: Mapping[str, Points]) -> dict[str, dict[str, str]]:
+    """Per-policy metrics by pattern (`policy/*/loss`, `eval/policy/*/win_rate`): policy name -> metric name."""
+    out: dict[str, dict[str, str]] = {}
+    for key in table:
+        m = POLICY_METRIC.match(key)
+        if m:
+            evaluation, name, rest = m.groups()
+            out.setdefault(f"{evaluation or ''}policy/*/{rest}", {})[name] = key
+    return out
+
+
+def _per_policy(
+    pattern: str, series: Mapping[str, str], table: Mapping[str, Points], names: Sequence[str]
+) -> Layout:
+    """A shared chart with one series per policy; `colour` is the policy's place among all of the run's."""
+    return {
+        "id": pattern,
+        "title": pattern,
+        "series": [{"label": name, "key": series[name], "points": table[series[name]], "colour": names.index(name),
+                    "policy": name} for name in names if name in series],
+    }  # fmt: skip
 
 
 def _single(key: str, title: str, points: Points) -> Layout:

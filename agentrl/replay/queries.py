@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from agentrl.store.schema import STORE_SCHEMA_VERSION, SUMMARY_COLUMNS
+from agentrl.store.schema import STORE_SCHEMA_VERSION, SUMMARY_COLUMNS, doc_policies
 from agentrl.store.trajectory_store import TrajectoryStore
 from agentrl.types import JSON
 
@@ -33,7 +33,7 @@ ORDERS: dict[str, tuple[str | None, bool]] = {
     "length_desc": ("num_tokens", True),
     "length_asc": ("num_tokens", False),
 }
-DistinctColumn = Literal["env", "status", "error_class", "tool"]
+DistinctColumn = Literal["env", "status", "error_class", "tool", "policy"]
 
 _COLUMNS = ", ".join("t." + c for c in SUMMARY_COLUMNS)
 
@@ -46,7 +46,9 @@ class TrajectoryFilter:
     "any" (any error). `tool` matches trajectories whose episode called that
     tool. `search` is full text over the task's question and the episode (not
     the system prompt or demonstrations; words, all must match; `word*` for a
-    prefix); quotes and FTS operators in it are taken literally.
+    prefix); quotes and FTS operators in it are taken literally. `policy`
+    matches the trajectories of that policy of a multi-policy run: it sampled
+    one of their turns or played their agent (`store.schema.trajectory_policies`).
     """
 
     step_min: int | None = None
@@ -64,6 +66,7 @@ class TrajectoryFilter:
     length_min: int | None = None
     length_max: int | None = None
     search: str | None = None
+    policy: str | None = None
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> TrajectoryFilter:
@@ -95,12 +98,15 @@ class TrajectoryFilter:
                 raise ValueError(f"filter {f.name}={raw!r} is not valid: expected {allowed}") from None
         return cls(**kwargs)
 
-    def where(self) -> tuple[str, list[Any]]:
+    def where(self, *, policies_table: bool = True) -> tuple[str, list[Any]]:
         """The SQL WHERE clause (over `trajectories t`) and its parameters.
 
         With a full-text search the FTS match list drives the query: the other
         columns are written `+t.col` so SQLite does not pick their index and
         then sort every candidate (a few ms instead of ~100 ms at 100k rows).
+        A policy is looked up in the `traj_policies` index; `policies_table=False`
+        (a store written before that table existed, opened read-only) reads the
+        stored documents instead (a scan).
         """
         clauses: list[str] = []
         args: list[Any] = []
@@ -140,10 +146,24 @@ class TrajectoryFilter:
         if self.tool is not None:
             clauses.append("t.seq IN (SELECT seq FROM traj_tools WHERE tool = ?)")
             args.append(self.tool)
+        if self.policy is not None:
+            clauses.append(
+                "t.seq IN (SELECT seq FROM traj_policies WHERE policy = ?)"
+                if policies_table
+                else f"t.seq IN (SELECT d.seq FROM trajectory_data d WHERE {_DOC_HAS_POLICY})"
+            )
+            args.extend([self.policy] * (1 if policies_table else 2))
         if match:
             clauses.append("t.seq IN (SELECT rowid FROM traj_fts WHERE traj_fts MATCH ?)")
             args.append(match)
         return (" AND ".join(clauses) if clauses else "1"), args
+
+
+_DOC_HAS_POLICY = (
+    "EXISTS (SELECT 1 FROM json_each(d.doc, '$.turns') j WHERE json_extract(j.value, '$.policy') = ?) "
+    "OR json_extract(d.doc, '$.info.policy') = ?"
+)
+"""A stored document is of a policy (what `traj_policies` holds), for files without that table."""
 
 
 def fts_query(text: str) -> str:
@@ -179,6 +199,7 @@ class TrajectoryQueries:
             )
         self.store = store
         self._owns_store = owns_store
+        self._policies_table = False
 
     @classmethod
     def open(cls, path: str | Path) -> TrajectoryQueries:
@@ -229,7 +250,7 @@ class TrajectoryQueries:
         if offset < 0:
             raise ValueError(f"offset={offset} is not valid: expected >= 0")
         column, desc = ORDERS[order]
-        where, args = (filters or TrajectoryFilter()).where()
+        where, args = self._where(filters)
         if cursor:
             key, seq = _decode_cursor(cursor)
             sql, more = _after(column, desc, key, seq)
@@ -239,7 +260,7 @@ class TrajectoryQueries:
         order_by = f"t.{column} {direction}, t.seq {direction}" if column else f"t.seq {direction}"
         sql = f"SELECT {_COLUMNS} FROM trajectories t WHERE {where} ORDER BY {order_by} LIMIT ? OFFSET ?"
         rows = self.store.read(sql, [*args, limit + 1, offset])
-        items = [_summary(r) for r in rows[:limit]]
+        items = self._summaries(rows[:limit])
         next_cursor = None
         if len(rows) > limit:
             last = items[-1]
@@ -247,7 +268,7 @@ class TrajectoryQueries:
         return items, next_cursor
 
     def count(self, filters: TrajectoryFilter | None = None) -> int:
-        where, args = (filters or TrajectoryFilter()).where()
+        where, args = self._where(filters)
         return int(self.store.read(f"SELECT count(*) FROM trajectories t WHERE {where}", args)[0][0])
 
     def group(self, group_id: str) -> dict[str, JSON] | None:
@@ -266,7 +287,7 @@ class TrajectoryQueries:
             f"SELECT {_COLUMNS} FROM trajectories t WHERE t.group_id = ? ORDER BY t.sample_index, t.seq",
             (group_id,),
         )
-        return [_summary(r) for r in rows]
+        return self._summaries(rows)
 
     def step_rewards(self) -> list[dict[str, JSON]]:
         """Per step, over its non-eval trajectories: count, mean/min/max reward, success rate, mean length,
@@ -290,15 +311,53 @@ class TrajectoryQueries:
 
         A skip scan over the column's index: one index seek per distinct value.
         """
-        if column not in ("env", "status", "error_class", "tool"):
-            raise ValueError(f"column={column!r}: expected env, status, error_class or tool")
-        table, col = ("traj_tools", "tool") if column == "tool" else ("trajectories", column)
+        if column not in ("env", "status", "error_class", "tool", "policy"):
+            raise ValueError(f"column={column!r}: expected env, status, error_class, tool or policy")
+        if column == "policy" and not self._has_policies_table():
+            return sorted({p for (doc,) in self.store.read("SELECT doc FROM trajectory_data") for p in
+                           doc_policies(json.loads(doc))})  # fmt: skip
+        table, col = {"tool": ("traj_tools", "tool"), "policy": ("traj_policies", "policy")}.get(
+            column, ("trajectories", column)
+        )
         sql = (
             f"WITH RECURSIVE d(v) AS (SELECT min({col}) FROM {table} UNION ALL "
             f"SELECT (SELECT min({col}) FROM {table} WHERE {col} > d.v) FROM d WHERE d.v IS NOT NULL) "
             "SELECT v FROM d WHERE v IS NOT NULL"
         )
         return [r[0] for r in self.store.read(sql)]
+
+    def _has_policies_table(self) -> bool:
+        """Whether the file has `traj_policies` (asked again until it has: a writer may add it)."""
+        if not self._policies_table:
+            self._policies_table = bool(
+                self.store.read("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'traj_policies'")
+            )
+        return self._policies_table
+
+    def _where(self, filters: TrajectoryFilter | None) -> tuple[str, list[Any]]:
+        f = filters or TrajectoryFilter()
+        return f.where(policies_table=f.policy is None or self._has_policies_table())
+
+    def _summaries(self, rows: Sequence[Sequence[Any]]) -> list[dict[str, JSON]]:
+        """List rows, each with its `policies` (empty in a single-policy run; a seek per row by seq)."""
+        items = [_summary(r) for r in rows]
+        if not items:
+            return items
+        seqs = [int(str(item["seq"])) for item in items]
+        marks = ", ".join("?" * len(seqs))
+        by_seq: dict[int, list[str]] = {}
+        if self._has_policies_table():
+            found = self.store.read(f"SELECT seq, policy FROM traj_policies WHERE seq IN ({marks})", seqs)
+            for seq, policy in found:
+                by_seq.setdefault(seq, []).append(policy)
+        else:
+            for seq, doc in self.store.read(
+                f"SELECT seq, doc FROM trajectory_data WHERE seq IN ({marks})", seqs
+            ):
+                by_seq[seq] = doc_policies(json.loads(doc))
+        for item, seq in zip(items, seqs, strict=True):
+            item["policies"] = list(by_seq.get(seq, []))
+        return items
 
 
 def _summary(row: Sequence[Any]) -> dict[str, JSON]:

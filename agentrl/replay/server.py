@@ -184,7 +184,8 @@ class ReplayApp:
                 "config": q.store.run_config(),
                 "count": q.store.count(),
                 "latest": (q.query(limit=1) or [{}])[0].get("seq"),
-                "filters": {k: q.distinct(k) for k in ("env", "status", "error_class", "tool")},
+                "filters": {k: q.distinct(k) for k in ("env", "status", "error_class", "tool")}
+                | {"policy": run_policies(q)},
             }
 
         return _json(await self._db(read))
@@ -291,7 +292,10 @@ class ReplayApp:
                 adv = t.info.get("advantage")
                 if adv is None and isinstance(stats, dict) and isinstance(stats.get("advantages"), list):
                     adv = next((a for a, k in zip(stats["advantages"], t.loss_mask, strict=False) if k), None)
-                out.append({**m, "final": final, "reward_breakdown": t.reward_breakdown, "advantage": adv})
+                seat = {k: t.info[k] for k in ("agent", "outcome") if isinstance(t.info.get(k), str)}
+                out.append(
+                    {**m, **seat, "final": final, "reward_breakdown": t.reward_breakdown, "advantage": adv}
+                )
             return {"group": self.queries.group(gid), "question": asked, "members": out}
 
         data = await self._db(read)
@@ -313,6 +317,15 @@ class ReplayApp:
                 )
             report = await recheck(traj, make_env, timeout_s=self.settings.check_timeout_s)
         return _json(report.to_dict())
+
+
+def run_policies(queries: TrajectoryQueries) -> list[str]:
+    """The policies the list can be filtered by: those of the run config's `policies:` and those in the
+    stored trajectories (empty for a single-policy run)."""
+    config = queries.store.run_config() or {}
+    configured = config.get("policies")
+    names = set(configured) if isinstance(configured, dict) else set()
+    return sorted(names | set(queries.distinct("policy")))
 
 
 def _secure(response: web.StreamResponse) -> None:

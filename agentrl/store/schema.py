@@ -8,7 +8,8 @@ Tables (see `SCHEMA`):
 - `trajectory_data`: the payload, kept apart so list queries never read it:
   the four per-token arrays as compact typed blobs (`encode_array`) and
   everything else of the trajectory as JSON;
-- `traj_tools` (tools the episode called), `traj_fts` (FTS5 full-text index
+- `traj_tools` (tools the episode called), `traj_policies` (the policies that
+  sampled its turns, or played its agent: `trajectory_policies`), `traj_fts` (FTS5 full-text index
   over the task's question and the episode), `step_stats` (per-step reward,
   success, length, error counts of the non-eval trajectories), `groups` (with
   each group's task-stream position: the resume cursors), `metrics` (per
@@ -19,7 +20,10 @@ Schema versions: 1 counted, previewed and indexed every message (few-shot
 demonstrations included) and mixed eval trajectories into `step_stats`; 2 is
 this layout. `migrate` upgrades a version-1 file in place, in one transaction,
 recomputing only derived columns and indexes from the stored documents: no
-stored trajectory changes.
+stored trajectory changes. `traj_policies` came later without a version bump: a
+version-2 file without it gets it (filled from the stored documents,
+`backfill_policies`) the first time it is opened for writing; read-only, the
+replay queries read such a file's policies from the documents themselves.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import json
 import sqlite3
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from agentrl.store.summary import summarize
@@ -110,6 +114,10 @@ CREATE TABLE IF NOT EXISTS trajectory_data (
 CREATE TABLE IF NOT EXISTS traj_tools (
     tool TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (tool, seq)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS traj_policies (
+    policy TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (policy, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS traj_policies_seq ON traj_policies(seq);
 {_STEP_STATS};
 CREATE TABLE IF NOT EXISTS metrics (
     step INTEGER NOT NULL, key TEXT NOT NULL, value REAL, PRIMARY KEY (step, key)
@@ -141,6 +149,7 @@ FROM trajectories WHERE step IS NOT NULL AND status != 'eval' {{where}} GROUP BY
 
 def create(db: sqlite3.Connection, now: float) -> None:
     """Create the tables of a new store, or upgrade an older one, inside the caller's transaction."""
+    had_policies = has_table(db, "traj_policies")
     for statement in SCHEMA.split(";"):
         if statement.strip():
             db.execute(statement)
@@ -152,6 +161,48 @@ def create(db: sqlite3.Connection, now: float) -> None:
         )
     elif int(row[0]) == 1:
         migrate(db)
+    elif not had_policies:
+        backfill_policies(db)
+
+
+def has_table(db: sqlite3.Connection, name: str) -> bool:
+    return (
+        db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
+        is not None
+    )
+
+
+def doc_policies(doc: Mapping[str, Any]) -> list[str]:
+    """The policies of a stored trajectory document, as `trajectory_policies` says."""
+    names = [t.get("policy") for t in doc.get("turns") or () if isinstance(t, dict)]
+    info = doc.get("info")
+    names.append(info.get("policy") if isinstance(info, dict) else None)
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n))
+
+
+def trajectory_policies(traj: Trajectory) -> list[str]:
+    """The policies a trajectory belongs to (what the replay's policy filter matches): those that
+    sampled its turns (`Turn.policy`, in order of first turn), then the one that played its agent
+    (`info["policy"]`, multi-agent episodes). Empty in a single-policy run."""
+    policy = traj.info.get("policy")
+    names = [*traj.policies, *([policy] if isinstance(policy, str) and policy else [])]
+    return list(dict.fromkeys(names))
+
+
+def backfill_policies(db: sqlite3.Connection, batch_size: int = 512) -> int:
+    """Fill `traj_policies` from the stored documents (a file written before the table existed);
+    returns the rows added. Documents are not touched."""
+    added, last = 0, 0
+    while True:
+        rows = db.execute(
+            "SELECT seq, doc FROM trajectory_data WHERE seq > ? ORDER BY seq LIMIT ?", (last, batch_size)
+        ).fetchall()
+        if not rows:
+            return added
+        pairs = [(p, seq) for seq, doc in rows for p in doc_policies(json.loads(doc))]
+        db.executemany("INSERT OR IGNORE INTO traj_policies VALUES (?, ?)", pairs)
+        added += len(pairs)
+        last = rows[-1][0]
 
 
 def version(db: sqlite3.Connection) -> int | None:
@@ -172,6 +223,7 @@ def migrate(db: sqlite3.Connection, batch_size: int = 512) -> int:
     db.execute("DROP TABLE traj_fts")
     db.execute(_FTS)
     db.execute("DELETE FROM traj_tools")
+    db.execute("DELETE FROM traj_policies")
     done, last = 0, 0
     while True:
         rows = db.execute(
@@ -189,6 +241,9 @@ def migrate(db: sqlite3.Connection, batch_size: int = 512) -> int:
                 (s.num_turns, s.num_tool_calls, json.dumps(s.tools), s.preview, seq),
             )
             db.executemany("INSERT INTO traj_tools VALUES (?, ?)", [(t, seq) for t in s.tools])
+            db.executemany(
+                "INSERT OR IGNORE INTO traj_policies VALUES (?, ?)", [(p, seq) for p in doc_policies(doc)]
+            )
             db.execute("INSERT INTO traj_fts (rowid, text) VALUES (?, ?)", (seq, s.search_text))
         done += len(rows)
         last = rows[-1][0]

@@ -46,6 +46,7 @@ from agentrl.store.schema import (
     SUMMARY_COLUMNS,
     decode_array,
     encode_array,
+    trajectory_policies,
 )
 from agentrl.store.summary import summarize
 from agentrl.types import JSON, Group, Trajectory
@@ -278,6 +279,9 @@ class TrajectoryStore:
             ),
         )
         self._db.executemany("INSERT INTO traj_tools VALUES (?, ?)", [(t, seq) for t in summary.tools])
+        self._db.executemany(
+            "INSERT INTO traj_policies VALUES (?, ?)", [(p, seq) for p in trajectory_policies(traj)]
+        )
         if step is not None and status != "eval":
             success = int(reward is not None and reward >= SUCCESS_REWARD)
             self._db.execute(

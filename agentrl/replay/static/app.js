@@ -143,16 +143,18 @@ async function showOverview() {
 }
 
 // One chart: { id, title, series: [{label, key, points: [[step, value], ...]}], band?: [[step, lo, hi]] },
-// every series on the same axes, one colour each (classes s0, s1, ...), with a legend.
+// every series on the same axes, one colour each (classes s0, s1, ...), with a legend. A series with a
+// `colour` (per-policy charts: the policy's place in the run) uses it, so a policy looks the same everywhere.
 function chart(spec) {
   const W = 340, H = 150, L = 52, R = 8, T = 8, B = 20;
   const box = h("div", { class: "panel chart", dataset: { metric: spec.id } }, h("h3", { text: spec.title }));
   const finite = p => p[1] !== null && p[1] !== undefined && isFinite(p[1]);
-  const series = spec.series.map(s => Object.assign({}, s, { pts: s.points.filter(finite) }));
+  const series = spec.series.map((s, i) => Object.assign({}, s, { pts: s.points.filter(finite),
+    cls: `s${(s.colour === undefined || s.colour === null ? i : s.colour) % 9}` }));
   const all = series.flatMap(s => s.pts);
   if (series.length > 1) {
     box.appendChild(h("div", { class: "series-legend" }, series.map((s, i) =>
-      h("span", { class: `series s${i}`, dataset: { key: s.key }, title: s.key }, h("span", { class: "swatch" }), s.label))));
+      h("span", { class: `series ${s.cls}`, dataset: s.policy ? { key: s.key, policy: s.policy } : { key: s.key }, title: s.key }, h("span", { class: "swatch" }), s.label))));
   }
   if (!all.length) { box.appendChild(h("p", { class: "muted", text: "no finite values" })); return box; }
   const band = spec.band || [];
@@ -180,13 +182,13 @@ function chart(spec) {
       ok.slice().reverse().map(b => `L${sx(b[0])},${sy(b[1])}`).join(" ") + " Z";
     g.appendChild(svg("path", { class: "band", d }));
   }
-  series.forEach((s, i) => {
+  series.forEach(s => {
     if (!s.pts.length) return;
-    g.appendChild(svg("path", { class: `line s${i}`, "data-key": s.key,
+    g.appendChild(svg("path", { class: `line ${s.cls}`, "data-key": s.key,
       d: s.pts.map((p, k) => `${k ? "L" : "M"}${sx(p[0])},${sy(p[1])}`).join(" ") }));
     if (s.pts.length <= 60) {
       for (const p of s.pts) {
-        g.appendChild(svg("circle", { class: `s${i}`, cx: sx(p[0]), cy: sy(p[1]), r: 2.2 },
+        g.appendChild(svg("circle", { class: s.cls, cx: sx(p[0]), cy: sy(p[1]), r: 2.2 },
           svg("title", {}, `${s.label} · step ${p[0]}: ${fmt(p[1], 4)}`)));
       }
     }
@@ -198,7 +200,7 @@ function chart(spec) {
 // ------------------------------------------------------------------ list
 
 const FILTER_FIELDS = ["step_min", "step_max", "env", "status", "reward_min", "reward_max", "error", "truncated",
-  "tool", "length_min", "length_max", "search", "order"];
+  "tool", "policy", "length_min", "length_max", "search", "order"];
 
 function select(name, values, current, labels) {
   return h("select", { name }, values.map((v, i) => h("option", { value: v, selected: v === current },
@@ -209,6 +211,7 @@ async function showList(params) {
   const run = state.run || { filters: {} };
   const f = run.filters || {};
   const val = k => params.get(k) || "";
+  const policies = f.policy || [];  // a multi-policy run's policies (none: the list looks as it always did)
   const input = (name, type, placeholder) => h("label", {}, name.replace("_", " "),
     h("input", { name, type: type || "text", value: val(name), placeholder: placeholder || "", step: "any" }));
   const form = h("form", { id: "filters", onsubmit: ev => { ev.preventDefault(); applyFilters(form); } },
@@ -220,6 +223,7 @@ async function showList(params) {
     h("label", {}, "error", select("error", ["", "none", "any", ...(f.error_class || [])], val("error"))),
     h("label", {}, "truncated", select("truncated", ["", "true", "false"], val("truncated"))),
     h("label", {}, "tool used", select("tool", ["", ...(f.tool || [])], val("tool"))),
+    policies.length ? h("label", {}, "policy", select("policy", ["", ...policies], val("policy"))) : null,
     input("length_min", "number"), input("length_max", "number"),
     h("label", {}, "order", select("order", ["newest", "oldest", "reward_desc", "reward_asc", "length_desc", "length_asc"],
       val("order") || "newest")),
@@ -234,7 +238,9 @@ async function showList(params) {
   const [page, count] = await Promise.all([api(`/api/trajectories?${listQuery}`), api(`/api/count?${query}`)]);
   const rows = page.items.map(r => h("tr", { class: "row", dataset: { id: r.id }, onclick: () => { location.hash = `#/t/${encodeURIComponent(r.id)}`; } },
     h("td", { class: "num", text: r.seq }), h("td", { class: "num", text: fmt(r.step) }), h("td", { text: r.env }),
-    h("td", { text: r.status }), h("td", { class: "num reward", text: fmt(r.reward) }),
+    h("td", { text: r.status }),
+    policies.length ? h("td", { class: "policies" }, (r.policies || []).map(p => h("span", { class: "badge policy-badge", text: p }))) : null,
+    h("td", { class: "num reward", text: fmt(r.reward) }),
     h("td", { class: "num", text: r.num_tokens }), h("td", { class: "num turns", text: r.num_turns }),
     h("td", { class: "num calls", text: r.num_tool_calls }),
     h("td", { text: (r.tools || []).join(", ") }),
@@ -242,7 +248,7 @@ async function showList(params) {
       r.truncated ? h("span", { class: "badge warn", text: "truncated" }) : null),
     h("td", { class: "preview", text: r.preview, title: r.preview })));
   const table = h("table", { id: "traj-table" },
-    h("thead", {}, h("tr", {}, ["#", "step", "env", "status", "reward", "tokens", "turns", "calls", "tools", "flags", "task ⟶ final answer"].map(t => h("th", { text: t })))),
+    h("thead", {}, h("tr", {}, ["#", "step", "env", "status", ...(policies.length ? ["policy"] : []), "reward", "tokens", "turns", "calls", "tools", "flags", "task ⟶ final answer"].map(t => h("th", { text: t })))),
     h("tbody", {}, rows));
   const pageParams = next => { const p = new URLSearchParams(query); if (next) p.set("cursor", next); return `#/list?${p}`; };
   const back = params.get("back");
@@ -274,7 +280,7 @@ async function showTrajectory(id, params) {
     kv("reward", fmt(t.reward)), kv("terminated", String(t.terminated)), kv("truncated", t.truncated ? `true (${t.truncation_reason || "?"})` : "false"),
     kv("sample", `${t.sample_index}`), kv("seed", fmt(t.seed)), kv("tokens", `${data.tokens.ids.length} (${data.tokens.loss_mask.filter(x => x).length} sampled)`),
     h("div", {}, h("span", { text: "group" }), t.group_id ? h("a", { href: `#/g/${encodeURIComponent(t.group_id)}`, id: "group-link", text: t.group_id }) : "n/a"),
-    branchOf(t.info && t.info.branch));
+    branchOf(t.info && t.info.branch), ...seatOf(t));
   const breakdown = Object.keys(t.reward_breakdown || {}).length
     ? h("table", { id: "reward-breakdown" }, h("tbody", {}, Object.entries(t.reward_breakdown).map(([k, v]) => h("tr", {}, h("td", { text: k }), h("td", { class: "num", text: fmt(v) })))))
     : null;
@@ -301,9 +307,36 @@ function branchOf(branch) {
   return h("div", { id: "branch-of" }, h("span", { text: "branch of" }), parent, branch.reason ? ` (${branch.reason})` : "");
 }
 
+// A multi-agent trajectory's seat: its agent id, the policy that played it, the game's outcome for it;
+// a trajectory whose turns several policies sampled lists them (each turn is labelled too).
+function seatOf(t) {
+  const info = t.info || {};
+  const policies = [...new Set((t.turns || []).map(x => x.policy).filter(p => typeof p === "string"))];
+  if (typeof info.policy === "string" && !policies.includes(info.policy)) policies.push(info.policy);
+  const out = [];
+  if (typeof info.agent === "string") out.push(h("div", { id: "traj-agent" }, h("span", { text: "agent" }), info.agent));
+  if (policies.length) {
+    out.push(h("div", { id: "traj-policies" }, h("span", { text: policies.length > 1 ? "policies" : "policy" }),
+      policies.map(p => h("span", { class: "badge policy-badge", text: p }))));
+  }
+  if (typeof info.outcome === "string") {
+    const cls = info.outcome === "win" ? "good" : info.outcome === "loss" ? "bad" : "";
+    out.push(h("div", { id: "traj-outcome" }, h("span", { text: "outcome" }), h("span", { class: `badge ${cls}`, text: info.outcome })));
+  }
+  return out;
+}
+
 function kv(k, v) { return h("div", {}, h("span", { text: k }), v === null || v === undefined ? "n/a" : String(v)); }
 
 // conversation ------------------------------------------------------
+
+// Which policy spoke a turn (a multi-policy run: Turn.policy), with the agent it played when there is one.
+function turnPolicy(turn, info) {
+  if (!turn || typeof turn.policy !== "string") return null;
+  const agent = info && typeof info.agent === "string" ? info.agent : null;
+  return h("span", { class: "badge policy-badge turn-policy", dataset: { policy: turn.policy }, title: "the policy that sampled this turn",
+    text: agent ? `${turn.policy} · ${agent}` : turn.policy });
+}
 
 // The prompt (system prompt, few-shot demonstrations, the task) is shown as the prompt: demonstrations
 // grouped in one collapsed block, nothing in it numbered as a turn. Turn numbers and playback count the
@@ -324,7 +357,8 @@ function conversationView(t, layout) {
       h("div", { class: "role" }, m.role, m.name ? ` · ${m.name}` : "", m.tool_call_id ? ` · answers ${m.tool_call_id}` : "",
         part ? h("span", { class: "badge prompt-badge", text: `prompt · ${part}` }) : null,
         !inPrompt && m.role === "assistant"
-          ? h("span", { class: "badge turn-badge", text: turns[turn] ? `turn ${turn} · reward ${fmt(turns[turn].reward)}` : `turn ${turn}` }) : null),
+          ? h("span", { class: "badge turn-badge", text: turns[turn] ? `turn ${turn} · reward ${fmt(turns[turn].reward)}` : `turn ${turn}` }) : null,
+        !inPrompt && m.role === "assistant" ? turnPolicy(turns[turn], t.info) : null),
       h("pre", { class: "content", text: m.content }));
     for (const c of m.tool_calls || []) {
       card.appendChild(h("div", { class: "toolcall" }, h("span", { class: "name", text: c.name }), " ",
@@ -518,7 +552,7 @@ function tokenView(data) {
   box.addEventListener("mousemove", ev => {
     const span = ev.target.closest ? ev.target.closest("span.tok") : null;
     if (!span) { hideTooltip(); return; }
-    showTooltip(ev, tokenDetails(tok, Number(span.dataset.i)));
+    showTooltip(ev, tokenDetails(tok, Number(span.dataset.i), data.trajectory.turns || []));
   });
   box.addEventListener("mouseleave", hideTooltip);
   function paint() {
@@ -555,7 +589,7 @@ function legendFor(field) {
   return [];
 }
 
-function tokenDetails(tok, i) {
+function tokenDetails(tok, i, turns) {
   const line = (k, v) => `${k.padEnd(17)} ${v}`;
   const get = key => (tok[key] ? fmt(tok[key][i], 4) : "n/a");
   const masked = tok.loss_mask[i] === 1;
@@ -570,6 +604,8 @@ function tokenDetails(tok, i) {
     line("importance mask", masked ? get("is_mask") : "n/a"),
     line("advantage", masked ? get("advantages") : "n/a"),
     line("policy version", masked ? String(tok.versions[i]) : "n/a"),
+    ...(turns.some(x => typeof x.policy === "string")
+      ? [line("policy", tok.turn[i] >= 0 && turns[tok.turn[i]] && turns[tok.turn[i]].policy ? turns[tok.turn[i]].policy : "—")] : []),
   ].join("\n");
 }
 
@@ -613,6 +649,9 @@ async function fillGroup(box, groupId, currentId) {
         h("span", { class: "badge", title: computed ? "not stored: computed as (r - mean) / std over the group" : "stored by the trainer", text: `advantage ${fmt(adv)}${computed ? "*" : ""}` }),
         m.error_class ? h("span", { class: "badge bad", text: m.error_class }) : null,
         m.truncated ? h("span", { class: "badge warn", text: "truncated" }) : null),
+      (m.policies || []).length || m.agent ? h("div", { class: "seat" }, (m.policies || []).map(p => h("span", { class: "badge policy-badge", text: p })),
+        m.agent ? h("span", { class: "muted", text: ` ${m.agent}` }) : null,
+        m.outcome ? h("span", { class: `badge ${m.outcome === "win" ? "good" : m.outcome === "loss" ? "bad" : ""}`, text: m.outcome }) : null) : null,
       h("div", { class: "muted", text: `${m.num_tokens} tokens · ${m.num_turns} turns · ${(m.tools || []).join(", ") || "no tools"}` }),
       Object.keys(m.reward_breakdown || {}).length ? h("div", { class: "muted", text: Object.entries(m.reward_breakdown).map(([k, v]) => `${k}=${fmt(v)}`).join("  ") }) : null,
       h("pre", { class: "content", text: m.final }));
