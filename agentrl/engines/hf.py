@@ -26,6 +26,12 @@ for a second prefill that reuses that request's fresh KV. Every weight copy
 clears the store and bumps a weights epoch; rows whose KV spans a copy
 (`continue_new`) are not stored.
 
+Named LoRA adapters (`AdapterEngine`, `hf_adapters`): `update_adapter` adds
+or replaces one over the base; a request naming it (`Sampling.adapter`) gets
+its per-row delta in the same prefill and decode steps as every other row, its
+tokens carry the adapter's version, and its KV is cached under the adapter's
+own epoch. Steps without adapter rows run the model exactly as before.
+
 Weight updates copy tensors in place under the step lock (between decode
 steps) and bump `policy_version`. `update_mode="continue_new"` lets running
 requests continue on the new weights (their later tokens carry the new
@@ -37,18 +43,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from pydantic import Field
 
+from agentrl.engines.base import AdapterSpec, EngineHealth, Sampling, ServingConfig, TokenDelta, WeightSource
 from agentrl.engines.base import EngineClosed as EngineClosed  # re-exported: callers catch it from here
-from agentrl.engines.base import EngineHealth, Sampling, ServingConfig, TokenDelta, WeightSource
 from agentrl.engines.constrained import Grammars, mask_logits
+from agentrl.engines.hf_adapters import Adapters
 from agentrl.engines.hf_kv import KVBatch, merge, pack, past_cache, plain_kv_cache, row_kv, select
 from agentrl.engines.hf_requests import Request, finish_reason, resolve, retrieved
 from agentrl.engines.hf_sampling import RowSampling, sample_rows
@@ -118,7 +126,10 @@ class HFEngine:
         self.steps = 0
         self.tokens_generated = 0
         self.worker_threads = 0  # torch intra-op threads of the worker, set when it starts
-        self._weights_epoch = 0  # bumped by every weight copy; cached KV matches only its own epoch
+        self._weights_epoch = 0  # renewed by every weight copy; cached KV matches only its own epoch
+        self._epochs = itertools.count(1)  # fresh epochs: base weights and each adapter version get their own
+        self._adapters = Adapters(self.model)  # named LoRA adapters over the base (agentrl.engines.hf_adapters)
+        self._adapter_rows: frozenset[str | None] = frozenset()  # adapters of the admitted rows (worker-set)
         self._prefix = PrefixCache(cfg.prefix_cache_tokens if plain_kv_cache(self.model) else 0)
         self.prefill_tokens = 0  # prompt tokens run through the model at admission
         self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
@@ -194,7 +205,9 @@ class HFEngine:
             grammar=self._grammars.matcher(sampling.grammar, sampling.stop_ids) if sampling.grammar else None,
         )
         self._ensure_worker()
-        with self._cv:
+        with self._cv:  # under the lock remove_adapter marks an adapter with
+            if sampling.adapter is not None:
+                self._adapters.check(sampling.adapter)  # KeyError naming the adapters held
             self._waiting.append(req)
             self._cv.notify()
         return req
@@ -224,6 +237,8 @@ class HFEngine:
                     if not req.cancelled:
                         new.append(req)
                 self._running = len(new) + (len(batch.rows) if batch else 0)
+                if self._adapters.held:
+                    self._adapter_rows = frozenset(r.sampling.adapter for r in [*new, *(batch.rows if batch else [])])
             while self._update_waiting.is_set():  # let a weight copy in between steps
                 time.sleep(0.0005)
             started = time.monotonic()
@@ -242,6 +257,8 @@ class HFEngine:
             self._kv_cache = batch.cache if batch is not None else None
             with self._cv:
                 self._running = len(batch.rows) if batch else 0
+                if self._adapters.held or self._adapter_rows:
+                    self._adapter_rows = frozenset(r.sampling.adapter for r in (batch.rows if batch else []))
         self._prefix.clear()
         leftover = [*(batch.rows if batch else []), *self._waiting]
         self._waiting.clear()
@@ -256,7 +273,7 @@ class HFEngine:
     def _admit(self, batch: _Batch | None, new: list[Request]) -> _Batch | None:
         """Prefill the new prompts (reusing cached prefixes) and merge them into the running batch."""
         for r in new:
-            r.epoch = self._weights_epoch
+            r.epoch = self._epoch_of(r.sampling.adapter)
         first, hits, later = self._split(new)
         fresh = self._prefill(first, hits)
         if later:  # their prefixes are in the store now, left there by `first`
@@ -285,7 +302,7 @@ class HFEngine:
             ids = torch.tensor(r.prompt, dtype=torch.long)
             limit = len(r.prompt) - 1
             hit = self._prefix.lookup(ids, r.epoch, limit)
-            shared = max((common_prefix(ids, other) for _, other, _ in first), default=0)
+            shared = max((common_prefix(ids, other) for o, other, _ in first if o.epoch == r.epoch), default=0)
             if min(shared, limit) >= hit[1] + _MIN_SHARED_GAIN:
                 later.append(r)
             else:
@@ -311,14 +328,15 @@ class HFEngine:
             attn[i, past - n : past] = 1
             attn[i, past + width - rest :] = 1
             positions[i, width - rest :] = torch.arange(n, len(r.prompt))
-        out = self.model(
-            input_ids=ids.to(dev),
-            attention_mask=attn.to(dev),
-            position_ids=positions.to(dev),
-            past_key_values=past_cache(hits, past, self.model.config) if past else None,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._adapters.applied([r.sampling.adapter for r in reqs]):
+            out = self.model(
+                input_ids=ids.to(dev),
+                attention_mask=attn.to(dev),
+                position_ids=positions.to(dev),
+                past_key_values=past_cache(hits, past, self.model.config) if past else None,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache = out.past_key_values
         self.admitted += len(reqs)
         self.prefix_hits += sum(1 for _, n in hits if n)
@@ -339,7 +357,7 @@ class HFEngine:
 
     def _remember(self, batch: _Batch, i: int, tokens: list[int], epoch: int) -> None:
         """Offer row i's KV (the last len(tokens) cache columns) to the prefix store."""
-        if epoch != self._weights_epoch or not tokens:
+        if not tokens or epoch != self._epoch_of(batch.rows[i].sampling.adapter):
             return
         start = batch.attn.shape[1] - len(tokens)
         self._prefix.insert(tokens, lambda n: row_kv(batch, i, start, n), epoch=epoch)
@@ -348,13 +366,14 @@ class HFEngine:
         """One decode step for every running row."""
         dev = self.model.device
         batch.attn = torch.cat([batch.attn, torch.ones((len(batch.rows), 1), dtype=torch.long)], dim=1)
-        out = self.model(
-            input_ids=batch.next_ids.unsqueeze(1).to(dev),
-            attention_mask=batch.attn.to(dev),
-            position_ids=batch.pos.unsqueeze(1).to(dev),
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
+        with self._adapters.applied([r.sampling.adapter for r in batch.rows]):
+            out = self.model(
+                input_ids=batch.next_ids.unsqueeze(1).to(dev),
+                attention_mask=batch.attn.to(dev),
+                position_ids=batch.pos.unsqueeze(1).to(dev),
+                past_key_values=batch.cache,
+                use_cache=True,
+            )
         batch.cache = out.past_key_values
         batch.pos = batch.pos + 1
         self._sample_into(batch, out.logits[:, -1, :])
@@ -366,12 +385,13 @@ class HFEngine:
         ids, logprobs = sample_rows(logits, [r.row for r in batch.rows], self._generator)
         batch.next_ids = torch.tensor(ids, dtype=torch.long)
         version = self.policy_version
+        held = self._adapters.held  # a row of an adapter: that adapter's version
         for req, tok, lp in zip(batch.rows, ids, logprobs, strict=True):
             req.ids.append(tok)
             if req.grammar is not None:
                 req.grammar.consume(tok)
             req.logprobs.append(lp)
-            req.versions.append(version)
+            req.versions.append(version if req.sampling.adapter is None else held[req.sampling.adapter].version)
             if req.updates is not None:  # streamed: the caller may read this many tokens now
                 with contextlib.suppress(RuntimeError):  # the caller's loop is already closed
                     req.loop.call_soon_threadsafe(req.updates.put_nowait, len(req.ids))
@@ -436,11 +456,37 @@ class HFEngine:
 
     def _copy_locked(self, params: dict[str, Any], weights: WeightSource, version: int) -> None:
         with self._step_lock, torch.no_grad():
-            # before the first tensor lands (a failed copy still leaves changed weights)
-            self._weights_epoch += 1
+            # before the first tensor lands (a failed copy still leaves changed weights); the
+            # adapters sit on these weights: their cached KV is stale too
+            self._weights_epoch = next(self._epochs)
+            for held in self._adapters.held.values():
+                held.epoch = next(self._epochs)
             self._prefix.clear()
             copy_buckets_into(params, weights.buckets())
             self.policy_version = version
+
+    def _epoch_of(self, adapter: str | None) -> int:
+        """The KV epoch of rows sampled with `adapter` (None: the base weights)."""
+        return self._weights_epoch if adapter is None else self._adapters.held[adapter].epoch
+
+    # -- named adapters (AdapterEngine; agentrl.engines.hf_adapters) ------------------------
+
+    @property
+    def adapter_versions(self) -> Mapping[str, int]:
+        """The version of each named adapter held (the version its tokens carry)."""
+        return self._adapters.versions
+
+    async def update_adapter(self, name: str, weights: WeightSource, version: int, spec: AdapterSpec) -> None:
+        """Add named LoRA adapter `name` over the base, or replace its tensors; then serve it at `version`."""
+        from agentrl.engines.hf_adapters import update_engine_adapter
+
+        await update_engine_adapter(self, name, weights, version, spec)
+
+    async def remove_adapter(self, name: str) -> None:
+        """Free adapter `name`: new requests for it fail at once, those already queued or running finish."""
+        from agentrl.engines.hf_adapters import remove_engine_adapter
+
+        await remove_engine_adapter(self, name)
 
     def busy_seconds(self) -> float:
         """Seconds the worker spent in model steps since creation."""
@@ -469,7 +515,8 @@ class HFEngine:
 
         for _ in range(3):  # the worker may change the prefix store while it is read: read again
             with contextlib.suppress(RuntimeError):
-                return engine_memory_mb(self.model, self._prefix, self._kv_cache, self.shared_storages)
+                return engine_memory_mb(self.model, self._prefix, self._kv_cache, self.shared_storages,
+                                        self._adapters.nbytes())
         return {}
 
     def busy_fraction(self) -> float:
@@ -495,6 +542,7 @@ class HFEngine:
                 "prefix_cache_tokens": self._prefix.tokens,
                 "prefix_cache_entries": len(self._prefix),
                 "prefix_cache_evictions": self._prefix.evictions,
+                "adapters": self._adapters.versions,
             },
         )
 

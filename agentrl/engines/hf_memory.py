@@ -5,7 +5,8 @@
   is not counted: the embedded engine that samples with the trainer's frozen
   base weights holds no copy of its own);
 - `prefix_cache_mb`: KV kept for prefix reuse (bounded by `prefix_cache_tokens`);
-- `kv_cache_mb`: KV of the running batch when the measurement is taken.
+- `kv_cache_mb`: KV of the running batch when the measurement is taken;
+- `adapters_mb`: the named LoRA adapters it holds (`hf_adapters`; 0 without).
 
 Imports torch: only the hf engine imports this module.
 """
@@ -54,7 +55,8 @@ def kv_bytes(cache: object) -> int:
 
 
 def engine_memory_mb(
-    model: torch.nn.Module, prefix: PrefixCache, running_cache: object, shared: frozenset[int] = frozenset()
+    model: torch.nn.Module, prefix: PrefixCache, running_cache: object, shared: frozenset[int] = frozenset(),
+    adapters_bytes: int = 0,
 ) -> dict[str, float]:
     """The engine's share by name, in MiB (module docstring)."""
     weights = tensor_bytes([*model.parameters(), *model.buffers()], skip=shared)
@@ -62,4 +64,5 @@ def engine_memory_mb(
         "weights_mb": weights / MB,
         "prefix_cache_mb": prefix_cache_bytes(prefix) / MB,
         "kv_cache_mb": kv_bytes(running_cache) / MB,
+        "adapters_mb": adapters_bytes / MB,
     }

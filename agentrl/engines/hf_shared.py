@@ -91,6 +91,7 @@ def adopt_trainer_base(engine: Any, trainer: object) -> bool:
     if frozen.device != own.device or frozen.dtype != own.dtype:
         return False  # e.g. a bf16 engine beside an fp32 trainer: it keeps its own model
     engine.model = shared_base_model(policy)
+    engine._adapters.rebind(engine.model)  # named adapters sit on the shared frozen base
     engine.shared_storages = frozenset(
         p.untyped_storage().data_ptr() for p in engine.model.parameters() if p.untyped_storage().data_ptr()
         in storage_ptrs(policy)

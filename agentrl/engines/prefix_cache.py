@@ -3,9 +3,12 @@
 The KV of the first L tokens of a causal LM depends only on those L tokens
 (and the weights), so an entry holding the KV of tokens t[0:T] serves any
 prompt that shares its first L <= T tokens with t: the engine copies those L
-columns and prefills only the rest. Entries are tagged with the weights epoch
-they were computed under; `lookup` matches only the current epoch, and the
-engine clears the store whenever it copies new weights.
+columns and prefills only the rest. Entries are tagged with the epoch they
+were computed under: the weights epoch for the base, and for each named LoRA
+adapter an epoch of its own (a fresh one at each of its updates), so KV
+computed under one adapter never serves another. `lookup` matches only the
+epoch asked for; the engine clears the store whenever it copies new base
+weights and drops an adapter's epoch when that adapter changes.
 
 Entries that are a prefix of another entry are dropped (the longer one serves
 every prompt the shorter one does), so a multi-turn episode keeps one entry
@@ -120,6 +123,11 @@ class PrefixCache:
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))
             self.evictions += 1
+
+    def drop_epoch(self, epoch: int) -> None:
+        """Drop the entries of one epoch (an adapter's KV once its tensors change or it is removed)."""
+        for key in [k for k, e in self._entries.items() if e.epoch == epoch]:
+            self._drop(key)
 
     def clear(self) -> None:
         """Drop every entry (new weights make all of them stale)."""
