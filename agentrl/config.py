@@ -34,6 +34,7 @@ from pydantic.fields import FieldInfo
 from agentrl.errors import ConfigError, PluginError, config_error
 from agentrl.registry import Plugins
 from agentrl.rollout.config import RolloutConfig
+from agentrl.rollout.roster import SINGLE_AGENT
 from agentrl.run.alerts import AlertsSection
 
 Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
@@ -451,6 +452,7 @@ def resolve_config(
         updates[section] = resolved
     config = config.model_copy(update=updates)
     _validate_policy_trainers(plugins, config)
+    config = _route_gateway_policies(config)
     trainer_raw = data.get("trainer")
     _check_sections_agree(config, trainer_device_set=isinstance(trainer_raw, dict) and "device" in trainer_raw)
     config._registry = plugins
@@ -491,6 +493,33 @@ def _validate_policy_trainers(plugins: Plugins, config: RunConfig) -> None:
                 f"{prefix}.lora: a trained policy of a multi-policy run is a LoRA adapter over the shared base; "
                 "set trainer.lora: {r: 16} (or per policy)"
             )
+
+
+def _route_gateway_policies(config: RunConfig) -> RunConfig:
+    """A multi-policy run whose env serves its agents a gateway (`env.gateway`, the `agent` env): the
+    request's `model` picks the policy.
+
+    `gateway.model_policies` defaults to each policy with an adapter under its own name (an agent that
+    asks for `model="alice"` is sampled by alice), and `gateway.default_policy` to the policy `agents:`
+    gives the env's one agent (`agent`, or `*`), so agent code naming any other model trains that policy.
+    Names of the user's own mapping must be policies of the run with an adapter.
+    """
+    env = config.env.config
+    gateway: Any = getattr(env, "gateway", None) if env is not None else None
+    if not config.policies or env is None or not hasattr(gateway, "model_policies"):  # an agentrl GatewayConfig
+        return config
+    with_adapter = sorted(name for name, p in config.policies.items() if p.adapter)
+    mapping = gateway.model_policies or {name: name for name in with_adapter}
+    default = gateway.default_policy or config.agents.get(SINGLE_AGENT, config.agents.get("*"))
+    for key, policy in [*(("model_policies." + m, p) for m, p in mapping.items()), ("default_policy", default)]:
+        if policy is not None and policy not in with_adapter:
+            raise ConfigError(f"env.gateway.{key}: policy {policy!r} is not one of the run's policies with an "
+                              f"adapter: {with_adapter}")  # fmt: skip
+    routed = env.model_copy(update={"gateway": gateway.model_copy(update={"model_policies": mapping,
+                                                                           "default_policy": default})})
+    spec = PluginSpec.model_validate({"name": config.env.name, **routed.model_dump()})
+    spec._config = routed
+    return config.model_copy(update={"env": spec})
 
 
 def _check_sections_agree(config: RunConfig, *, trainer_device_set: bool) -> None:

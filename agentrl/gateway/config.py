@@ -41,6 +41,10 @@ class GatewayConfig(BaseModel):
         description="a request's `model` -> the policy (LoRA adapter) that samples it and is recorded on its turns "
         "(Turn.policy); empty = one policy, the `model` field is ignored; else `model` must be one of the keys",
     )
+    default_policy: str | None = Field(default=None, min_length=1,
+        description="the policy that samples a request whose `model` is not a key of model_policies (None: such a "
+        "request is a 404); a run with policies: sets it to the policy its agents: gives the agent",
+    )
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> GatewayConfig:
@@ -59,11 +63,11 @@ class GatewayConfig(BaseModel):
         return self
 
     def policy_of(self, model: str) -> str | None:
-        """The policy that samples a request naming `model` (None: no mapping, the engine's own weights); a 404
-        naming the served models when `model_policies` is set and `model` is none of them."""
+        """The policy that samples a request naming `model` (None: no mapping, the engine's own weights); a model
+        that is no key of `model_policies` gets `default_policy`, or without one a 404 naming the served models."""
         if not self.model_policies:
-            return None
-        policy = self.model_policies.get(model)
+            return self.default_policy
+        policy = self.model_policies.get(model, self.default_policy)
         if policy is None:
             served = ", ".join(repr(m) for m in self.model_policies)
             raise GatewayError(404, f"model {model!r} is not served here; the models are {served} (one per policy, "

@@ -173,3 +173,19 @@ async def test_without_a_mapping_the_model_field_is_ignored() -> None:
 def test_config_refuses_empty_names() -> None:
     with pytest.raises(ValueError, match="model_policies"):
         GatewayConfig(model_policies={"m": ""})
+
+
+async def test_a_default_policy_samples_models_outside_the_mapping() -> None:
+    tok = SimpleChatTokenizer()
+    engine = _engine(tok)
+    backend = Backend(engine=engine, tokenizer=tok, parser=HermesParser(), sampling=TrainerSampling(1.0))
+    async with Gateway(GatewayConfig(model_policies={"checker-model": "checker"}, default_policy="proposer"),
+                       backend) as gw:  # fmt: skip
+        session = gw.open_session()
+        messages: list[Any] = [{"role": "user", "content": "hi"}]
+        async with openai.AsyncOpenAI(base_url=gw.base_url(session), api_key=session.key, max_retries=0) as client:
+            first = await client.chat.completions.create(model="gpt-4o", messages=messages)
+            second = await client.chat.completions.create(model="checker-model", messages=messages)
+        assert first.choices[0].message.content == "I propose 7."
+        assert second.choices[0].message.content == "Nothing to check."
+    assert engine.asked == ["proposer", "checker"]

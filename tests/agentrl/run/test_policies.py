@@ -126,3 +126,24 @@ def test_a_bad_policies_section_names_the_key(extra: dict[str, Any], message: st
 def test_a_trained_policy_needs_lora() -> None:
     with pytest.raises(ConfigError, match=re.escape("policies.alice.trainer.lora")):
         resolve_config({"env": "calculator", "policies": {"alice": {}}, "agents": {"*": "alice"}})
+
+
+def _agent_run(gateway: dict[str, Any], agents: dict[str, str]) -> Any:
+    return resolve_config({
+        "env": {"name": "agent", "agent": "my_pkg.agent:solve", "tasks": [{"prompt": "hi"}], "gateway": gateway},
+        "trainer": {"lora": {"r": 4}}, "agents": agents,
+        "policies": {"planner": {}, "worker": {}, "base": {"train": False, "adapter": False}},
+    })
+
+
+def test_a_gateway_env_routes_models_to_the_runs_policies() -> None:
+    gateway = _agent_run({}, {"agent": "worker"}).env.config.gateway
+    assert gateway.model_policies == {"planner": "planner", "worker": "worker"}  # base has no adapter to serve
+    assert gateway.default_policy == "worker" and gateway.policy_of("gpt-4o") == "worker"
+    assert gateway.policy_of("planner") == "planner"
+    own = _agent_run({"model_policies": {"big": "planner"}}, {"*": "planner"}).env.config.gateway
+    assert own.model_policies == {"big": "planner"} and own.default_policy == "planner"
+    with pytest.raises(ConfigError, match=re.escape("env.gateway.model_policies.big: policy 'base' is not one")):
+        _agent_run({"model_policies": {"big": "base"}}, {"*": "worker"})
+    with pytest.raises(ConfigError, match=re.escape("env.gateway.default_policy: policy 'nobody'")):
+        _agent_run({"default_policy": "nobody"}, {"*": "worker"})
