@@ -34,7 +34,7 @@ from pydantic.fields import FieldInfo
 from agentrl.errors import ConfigError, PluginError, config_error
 from agentrl.registry import Plugins
 from agentrl.rollout.config import RolloutConfig
-from agentrl.rollout.roster import SINGLE_AGENT
+from agentrl.rollout.roster import SINGLE_AGENT, Roster
 from agentrl.run.alerts import AlertsSection
 
 Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
@@ -446,10 +446,7 @@ def resolve_config(
             validated = _validate_section(plugins, config, section, spec)
         except PluginError as e:
             raise ConfigError(f"{section}.name: {e}") from None
-        params = validated.model_dump() if validated is not None else {}
-        resolved = PluginSpec.model_validate({"name": spec.name, **params})
-        resolved._config = validated
-        updates[section] = resolved
+        updates[section] = _resolved(spec.name, validated)
     config = config.model_copy(update=updates)
     _validate_policy_trainers(plugins, config)
     config = _route_gateway_policies(config)
@@ -457,6 +454,13 @@ def resolve_config(
     _check_sections_agree(config, trainer_device_set=isinstance(trainer_raw, dict) and "device" in trainer_raw)
     config._registry = plugins
     return config
+
+
+def _resolved(name: str, validated: BaseModel | None) -> PluginSpec:
+    """A plugin section after validation: its params with every default filled in, the Config object kept."""
+    spec = PluginSpec.model_validate({"name": name, **(validated.model_dump() if validated is not None else {})})
+    spec._config = validated
+    return spec
 
 
 def _check_policies(config: RunConfig) -> None:
@@ -510,16 +514,17 @@ def _route_gateway_policies(config: RunConfig) -> RunConfig:
         return config
     with_adapter = sorted(name for name, p in config.policies.items() if p.adapter)
     mapping = gateway.model_policies or {name: name for name in with_adapter}
-    default = gateway.default_policy or config.agents.get(SINGLE_AGENT, config.agents.get("*"))
+    default = gateway.default_policy
+    if default is None:
+        with contextlib.suppress(KeyError):  # no policy for the env's agent: unknown models stay a 404
+            default = Roster(agents=config.agents).seat(SINGLE_AGENT).policy
     for key, policy in [*(("model_policies." + m, p) for m, p in mapping.items()), ("default_policy", default)]:
         if policy is not None and policy not in with_adapter:
             raise ConfigError(f"env.gateway.{key}: policy {policy!r} is not one of the run's policies with an "
                               f"adapter: {with_adapter}")  # fmt: skip
     routed = env.model_copy(update={"gateway": gateway.model_copy(update={"model_policies": mapping,
                                                                            "default_policy": default})})
-    spec = PluginSpec.model_validate({"name": config.env.name, **routed.model_dump()})
-    spec._config = routed
-    return config.model_copy(update={"env": spec})
+    return config.model_copy(update={"env": _resolved(config.env.name, routed)})
 
 
 def _check_sections_agree(config: RunConfig, *, trainer_device_set: bool) -> None:

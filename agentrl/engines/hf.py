@@ -47,7 +47,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -426,11 +426,18 @@ class HFEngine:
 
     # -- weights, health, lifecycle ---------------------------------------------------------
 
-    async def update_weights(self, weights: WeightSource, version: int) -> None:
-        """Copy named tensors (HF names) into the model in place, then serve `version`."""
+    @contextlib.asynccontextmanager
+    async def _exclusive_update(self) -> AsyncIterator[None]:
+        """One change of weights or adapters at a time, within `update_timeout_s` (the lock is made on
+        the caller's event loop)."""
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
         async with asyncio.timeout(self.config.update_timeout_s), self._update_lock:
+            yield
+
+    async def update_weights(self, weights: WeightSource, version: int) -> None:
+        """Copy named tensors (HF names) into the model in place, then serve `version`."""
+        async with self._exclusive_update():
             if self.config.update_mode == "finish_old":
                 with self._cv:
                     self._paused = True
@@ -448,22 +455,26 @@ class HFEngine:
     def _copy_weights(self, weights: WeightSource, version: int) -> None:
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
+        self.between_steps(self._copy_locked, params, weights, version)
+
+    def between_steps(self, change: Callable[..., None], *args: Any) -> None:
+        """Run `change(*args)` under the step lock (no_grad), the worker stepping aside between two steps."""
         self._update_waiting.set()
         try:
-            self._copy_locked(params, weights, version)
+            with self._step_lock, torch.no_grad():
+                change(*args)
         finally:
             self._update_waiting.clear()
 
     def _copy_locked(self, params: dict[str, Any], weights: WeightSource, version: int) -> None:
-        with self._step_lock, torch.no_grad():
-            # before the first tensor lands (a failed copy still leaves changed weights); the
-            # adapters sit on these weights: their cached KV is stale too
-            self._weights_epoch = next(self._epochs)
-            for held in self._adapters.held.values():
-                held.epoch = next(self._epochs)
-            self._prefix.clear()
-            copy_buckets_into(params, weights.buckets())
-            self.policy_version = version
+        # before the first tensor lands (a failed copy still leaves changed weights); the
+        # adapters sit on these weights: their cached KV is stale too
+        self._weights_epoch = next(self._epochs)
+        for held in self._adapters.held.values():
+            held.epoch = next(self._epochs)
+        self._prefix.clear()
+        copy_buckets_into(params, weights.buckets())
+        self.policy_version = version
 
     def _epoch_of(self, adapter: str | None) -> int:
         """The KV epoch of rows sampled with `adapter` (None: the base weights)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -292,9 +292,7 @@ async def update_engine_adapter(engine: HFEngine, name: str, weights: WeightSour
     """Stage and check the tensors off the step (the engine keeps decoding), then install them under
     the step lock between two steps. `finish_old`: the adapter's running rows finish on its old tensors
     first (admission paused meanwhile); `continue_new`: their later tokens carry the new version."""
-    if engine._update_lock is None:
-        engine._update_lock = asyncio.Lock()
-    async with asyncio.timeout(engine.config.update_timeout_s), engine._update_lock:
+    async with engine._exclusive_update():
         staged = await asyncio.to_thread(engine._adapters.stage, weights, spec)
         if engine.config.update_mode == "finish_old" and name in engine._adapters.held:
             with engine._cv:
@@ -302,13 +300,13 @@ async def update_engine_adapter(engine: HFEngine, name: str, weights: WeightSour
             try:
                 while name in engine._adapter_rows:
                     await asyncio.sleep(0.005)
-                await asyncio.to_thread(_locked, engine, _install, name, staged, spec, version)
+                await asyncio.to_thread(engine.between_steps, _install, engine, name, staged, spec, version)
             finally:
                 with engine._cv:
                     engine._paused = False
                     engine._cv.notify()
         else:
-            await asyncio.to_thread(_locked, engine, _install, name, staged, spec, version)
+            await asyncio.to_thread(engine.between_steps, _install, engine, name, staged, spec, version)
 
 
 async def remove_engine_adapter(engine: HFEngine, name: str) -> None:
@@ -317,12 +315,10 @@ async def remove_engine_adapter(engine: HFEngine, name: str) -> None:
         engine._adapters.check(name)
         engine._adapters.held[name].removing = True
     try:
-        if engine._update_lock is None:
-            engine._update_lock = asyncio.Lock()
-        async with asyncio.timeout(engine.config.update_timeout_s), engine._update_lock:
+        async with engine._exclusive_update():
             while _in_flight(engine, name):
                 await asyncio.sleep(0.005)
-            await asyncio.to_thread(_locked, engine, _drop, name)
+            await asyncio.to_thread(engine.between_steps, _drop, engine, name)
     except BaseException:
         if (held := engine._adapters.held.get(name)) is not None:
             held.removing = False
@@ -332,16 +328,6 @@ async def remove_engine_adapter(engine: HFEngine, name: str) -> None:
 def _in_flight(engine: HFEngine, name: str) -> bool:
     with engine._cv:
         return name in engine._adapter_rows or any(r.sampling.adapter == name for r in engine._waiting)
-
-
-def _locked(engine: HFEngine, change: Callable[..., None], *args: Any) -> None:
-    """Run `change(engine, *args)` under the step lock, the worker stepping aside (as weight copies do)."""
-    engine._update_waiting.set()
-    try:
-        with engine._step_lock, torch.no_grad():
-            change(engine, *args)
-    finally:
-        engine._update_waiting.clear()
 
 
 def _install(engine: HFEngine, name: str, staged: Mapping[str, torch.Tensor], spec: AdapterSpec, version: int) -> None:
