@@ -210,6 +210,12 @@ class Env(ABC, Generic[ConfigT]):
         """Optional worked conversations (few-shot prompts, SFT warm start)."""
         return []
 
+    def oracle(self, task: Task) -> list[Message] | None:
+        """A known-good solution of `task`: the assistant messages to send, in order, whatever the
+        observations; None where the env has none. `agentrl eval --oracle` plays it through the env
+        (a task that the oracle does not solve is a broken task or a broken reward)."""
+        return None
+
     def demonstration_sets(self) -> list[tuple[list[dict[str, Any]] | None, list[list[Message]]]]:
         """The demonstrations grouped by the tool schemas their prompts render with.
 

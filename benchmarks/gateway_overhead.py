@@ -17,11 +17,14 @@ Each API is its own side (`--api`, default all three): `chat` (Chat Completions 
 the `openai` SDK), `responses` (the Responses API on the `openai` SDK, the whole
 item list resent), `messages` (the Messages API on the `anthropic` SDK).
 
-*Added latency* (`<api>_added_ms_p50`): the median wall time of one call through
-the gateway, as the agent's SDK sees it, on a scripted engine that answers at once
-with the same 32-token reply (so everything but sampling: the SDK, HTTP, matching
-the history, the chat-template delta, recording the turn), measured after the
-rounds over `--latency-calls` sequential calls per API.
+*Added latency* (`<api>_added_ms_p50`), as LiteLLM defines its proxy overhead: the
+median wall time of one SDK call through the gateway (`<api>_call_ms_p50`), on a
+scripted engine that answers at once with the same 32-token reply (so everything
+but sampling: HTTP, matching the history, the chat-template delta, recording the
+turn), minus the median of the same calls, same SDK, against a bare aiohttp
+server that returns the gateway's own reply bytes (`<api>_bare_ms_p50`: the SDK's
+and loopback HTTP's cost, which any server pays). Measured after the rounds over
+`--latency-calls` sessions of 3 sequential calls per API.
 
 `--constrained` adds the cost of constrained decoding per token: the direct chats
 once unconstrained and once under a JSON grammar (`agentrl.engines.constrained`),
@@ -32,7 +35,8 @@ sampled) and the summary adds `first_content_share`: the mean, over streamed
 calls, of (time to the first content delta) / (time to the end of the answer);
 near 1 means the answer came in one piece, small means it streamed.
 
-Summary line: direct_tok_s=<x> <api>_tok_s=<y> <api>_vs_direct=<y/x> <api>_added_ms_p50=<ms> ...
+Summary line: direct_tok_s=<x> <api>_tok_s=<y> <api>_vs_direct=<y/x> <api>_call_ms_p50=<ms> <api>_bare_ms_p50=<ms>
+<api>_added_ms_p50=<call - bare> ...
 gateway_vs_direct=<the lowest api's ratio> [first_content_share=<z>] [constrained_cost=<c>] (goal >= 0.9, p50 <= 5 ms)
 """
 
@@ -43,14 +47,18 @@ import asyncio
 import os
 import statistics
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, cast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import aiohttp
 import anthropic
 import openai
+from aiohttp import web
 
 from agentrl.chat.conversation import Budgets, Conversation, HFChatTokenizer
 from agentrl.chat.tool_parsers import HermesParser
@@ -160,26 +168,91 @@ async def through_gateway(gateway: Gateway, sessions: int, turns: int, max_token
     return sum(await asyncio.gather(*(chat(i) for i in range(sessions))))
 
 
-async def added_latency(tokenizer: HFChatTokenizer, budgets: Budgets, api: str, calls: int) -> float:
-    """The median ms of one call through the gateway on an engine that answers at once (all but sampling)."""
+PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+def first_request(api: str) -> dict[str, Any]:
+    """The opening call of a latency session as `api`'s wire JSON (what the SDK sends)."""
+    user = {"role": "user", "content": opening(0)}
+    if api == "chat":
+        return {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, user], "max_tokens": 64}
+    if api == "responses":
+        return {"model": "m", "instructions": SYSTEM, "input": [user], "max_output_tokens": 64}
+    return {"model": "m", "system": SYSTEM, "messages": [user], "max_tokens": 64}
+
+
+async def call_times(api: str, client_at: Callable[[], AbstractAsyncContextManager[Any]], calls: int) -> list[float]:
+    """Seconds per SDK call, `calls` sessions of 3 calls each (the history resent every call) after 3 warm-up ones."""
+    took: list[float] = []
+    for k in range(-3, calls):
+        async with client_at() as client:
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(k)}]
+            for t in range(3):
+                start = time.perf_counter()
+                text, _ = await call(api, client, messages, 64, None)
+                if k >= 0:
+                    took.append(time.perf_counter() - start)
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Go on ({t})."}]
+    return took
+
+
+async def bare_times(api: str, body: bytes, calls: int) -> list[float]:
+    """The same SDK calls against a bare aiohttp server that reads each request and returns `body` (a reply
+    the gateway gave): the SDK's and HTTP's own cost, the baseline the gateway's added latency is measured from."""
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post(PATHS[api], answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = cast(Any, site._server).sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def client_at() -> Any:
+            if api == "messages":
+                return anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
+            return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+
+        return await call_times(api, client_at, calls)
+    finally:
+        await runner.cleanup()
+
+
+async def added_latency(tokenizer: HFChatTokenizer, api: str, calls: int) -> tuple[float, float]:
+    """Median ms of one SDK call through the gateway on an engine that answers at once (all but sampling),
+    and of the same call against a bare server returning the gateway's own reply bytes (same SDK, same HTTP)."""
     reply = " ".join(["word"] * 31)
     engine = ScriptedEngine(ScriptedEngine.Config(replies=[reply]), tokenizer=tokenizer)
     backend = Backend(engine=engine, tokenizer=tokenizer, parser=HermesParser(), sampling=TrainerSampling(1.0),
                       budgets=Budgets(max_turns=10**6, max_total_tokens=10**7, max_new_tokens_per_turn=64))
-    took: list[float] = []
     async with Gateway(GatewayConfig(), backend) as gateway:
-        for k in range(-3, calls):  # three warm-up calls
+
+        @asynccontextmanager
+        async def client_at() -> AsyncIterator[Any]:
             session = gateway.open_session()
-            async with client_for(api, gateway, session) as client:
-                messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opening(k)}]
-                for t in range(3):  # multi-turn, as agents call: each call resends the history
-                    start = time.perf_counter()
-                    text, _ = await call(api, client, messages, 64, None)
-                    if k >= 0:
-                        took.append(time.perf_counter() - start)
-                    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Go on ({t})."}]
-            gateway.close_session(session)
-    return 1000 * statistics.median(took)
+            try:
+                async with client_for(api, gateway, session) as client:
+                    yield client
+            finally:
+                gateway.close_session(session)
+
+        session = gateway.open_session()
+        async with aiohttp.ClientSession() as http:
+            headers = {"Authorization": f"Bearer {session.key}", "x-api-key": session.key,
+                       "anthropic-version": "2023-06-01"}
+            async with http.post(f"{gateway.url}/s/{session.id}{PATHS[api]}", json=first_request(api),
+                                 headers=headers) as r:
+                r.raise_for_status()
+                body = await r.read()
+        gateway.close_session(session)
+        through = await call_times(api, client_at, calls)
+    bare = await bare_times(api, body, calls)
+    return 1000 * statistics.median(through), 1000 * statistics.median(bare)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -221,15 +294,16 @@ async def main(args: argparse.Namespace) -> None:
                     print(f"round {r} {'json':9s} {tokens:6d} tokens {took:7.2f}s {tokens / took:8.1f} tok/s", flush=True)
     finally:
         await engine.close()  # also after a failure: the worker thread must not outlive the loop
-    latency = {api: await added_latency(tokenizer, budgets, api, args.latency_calls) for api in apis}
+    latency = {api: await added_latency(tokenizer, api, args.latency_calls) for api in apis}
     direct_tps = totals["direct"][0] / totals["direct"][1]
     parts = [f"direct_tok_s={direct_tps:.1f}"]
     ratios = []
     for api in apis:
         tps = totals[api][0] / totals[api][1]
         ratios.append(tps / direct_tps)
-        parts += [f"{api}_tok_s={tps:.1f}", f"{api}_vs_direct={tps / direct_tps:.3f}",
-                  f"{api}_added_ms_p50={latency[api]:.2f}"]
+        call_ms, bare_ms = latency[api]
+        parts += [f"{api}_tok_s={tps:.1f}", f"{api}_vs_direct={tps / direct_tps:.3f}", f"{api}_call_ms_p50={call_ms:.2f}",
+                  f"{api}_bare_ms_p50={bare_ms:.2f}", f"{api}_added_ms_p50={call_ms - bare_ms:.2f}"]
     parts.append(f"gateway_vs_direct={min(ratios):.3f}")
     if shares:
         parts.append(f"first_content_share={sum(shares) / len(shares):.3f}")

@@ -41,7 +41,7 @@ from agentrl.sandboxes.workspace import (
     WorkspaceSpec,
 )
 from agentrl.tools import tool
-from agentrl.types import Message
+from agentrl.types import Message, ToolCall
 
 from .code_env import SandboxSpec, shared_sandbox
 from .harbor import (
@@ -187,21 +187,27 @@ class TerminalEnv(ToolEnv[TerminalConfig]):
         """One conversation per train task with an oracle: its solve.sh as one bash call, then submit."""
         out = []
         for task in self.tasks("train"):
-            t = self.harbor_tasks()[task["id"]]
-            solve = t.path / "solution" / "solve.sh"
-            if not solve.is_file():
+            replies = self.oracle(task)
+            if replies is None:
                 continue
-            from agentrl.types import ToolCall
-
+            bash, submit = replies
             out.append([
                 *self.initial_messages(task),
-                Message(role="assistant", content="", tool_calls=[
-                    ToolCall(id="call_0", name="bash", arguments={"command": solve.read_text().strip()})]),
-                Message(role="tool", content="[exit code 0]", tool_call_id="call_0", name="bash"),
-                Message(role="assistant", content="", tool_calls=[ToolCall(id="call_1", name="submit", arguments={})]),
-                Message(role="tool", content="submitted", tool_call_id="call_1", name="submit"),
+                bash, Message(role="tool", content="[exit code 0]", tool_call_id="call_0", name="bash"),
+                submit, Message(role="tool", content="submitted", tool_call_id="call_1", name="submit"),
             ])
         return out
+
+    def oracle(self, task: Task) -> list[Message] | None:
+        """The task's solution/solve.sh as one `bash` call, then `submit`; None for a task without one."""
+        solve = self._harbor_task(task).path / "solution" / "solve.sh"
+        if not solve.is_file():
+            return None
+        return [
+            Message(role="assistant", content="", tool_calls=[
+                ToolCall(id="call_0", name="bash", arguments={"command": solve.read_text().strip()})]),
+            Message(role="assistant", content="", tool_calls=[ToolCall(id="call_1", name="submit", arguments={})]),
+        ]
 
     def _harbor_task(self, task: Task) -> HarborTask:
         found = self.harbor_tasks().get(str(task.get("id")))

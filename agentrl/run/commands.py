@@ -34,6 +34,9 @@ def eval_command(
         Path | None,
         typer.Option(help="Store the episodes and eval.json here (not in the checkpoint's run), for show/replay."),
     ] = None,
+    oracle: Annotated[
+        bool, typer.Option("--oracle", help="Play the env's own oracle solution instead of a model (tasks and reward check).")
+    ] = False,
     overrides: Annotated[list[str] | None, typer.Argument(help="Overrides key.path=value.")] = None,
 ) -> None:
     """Score a model on held-out tasks: mean reward and pass@k, written into the run.
@@ -44,10 +47,12 @@ def eval_command(
 
     With `'engine={name: scripted, replies: [...]}'` and `--out DIR` this is a model-free
     harness for an env and its reward: play canned replies, then look at every episode.
+    `--oracle` plays the env's own known-good solutions (terminal and Harbor tasks: solution/solve.sh)
+    with no model loaded: a reward below 1.0 names a broken task or a broken reward.
     """
     from agentrl.config import load_config
 
-    run_config = load_config(config, overrides or [])
+    run_config = load_config(config, [*(overrides or []), *(["engine={name: scripted}"] if oracle else [])])
     if tasks is not None:
         run_config.run.eval_tasks = tasks
     run_config.run.eval_samples = samples
@@ -59,21 +64,21 @@ def eval_command(
         run_config.model.path = model
         if run_config.engine.model_extra is not None and "model" in run_config.engine.model_extra:
             run_config.engine.model_extra["model"] = model
-    result = asyncio.run(_evaluate(run_config, run_dir, step))
+    result = asyncio.run(_evaluate(run_config, run_dir, step, oracle=oracle))
     typer.echo(json.dumps(result, indent=2))
 
 
-async def _evaluate(run_config: RunConfig, run_dir: Path | None, step: int) -> dict[str, object]:
+async def _evaluate(run_config: RunConfig, run_dir: Path | None, step: int, *, oracle: bool = False) -> dict[str, object]:
     from agentrl.run.wiring import build_engine_only, evaluate_config
     from agentrl.store.trajectory_store import TrajectoryStore
 
     parts = build_engine_only(run_config)
     try:
-        result = await evaluate_config(run_config, parts)
+        result = await evaluate_config(run_config, parts, oracle=oracle)
     finally:
         await parts.close()
     summary: dict[str, object] = {
-        "model": run_config.model.path,
+        "model": "oracle" if oracle else run_config.model.path,
         "step": step,
         "env": run_config.env.name,
         "tasks": result.n_tasks,

@@ -8,8 +8,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agentrl.chat.conversation import ChatTokenizer
+from agentrl.chat.tokenizers import hermes_content
 from agentrl.engines.base import InferenceEngine
+from agentrl.engines.scripted import ScriptedEngine
 from agentrl.env import MIX_MEMBER_KEY, Env, EpisodeDriver, Task, TurnTaking
+from agentrl.errors import AgentrlError
 from agentrl.rollout.config import RolloutConfig
 from agentrl.rollout.manager import run_episode
 from agentrl.rollout.multi_agent import run_turns
@@ -88,12 +91,14 @@ async def evaluate(
     concurrency: int = 32,
     seed: int = 0,
     roster: Roster | None = None,
+    engine_for: Callable[[Env, Task], InferenceEngine] | None = None,
 ) -> EvalResult:
     """Run `n_samples` episodes per task; a sample passes when reward >= threshold.
 
     A multi-agent env's episode is scored by its first model-played agent's
     trajectory (the others are kept in `EvalResult.others`); `roster` says who
-    plays whom (e.g. the trained policy against a fixed opponent).
+    plays whom (e.g. the trained policy against a fixed opponent). `engine_for`
+    gives each episode its own engine in place of `engine` (`oracle_engine`).
     """
     semaphore = asyncio.Semaphore(concurrency)
     roster = roster or Roster()
@@ -101,21 +106,26 @@ async def evaluate(
     async def one(task: Task, t_index: int, index: int) -> list[Trajectory]:
         async with semaphore:
             env = env_factory()
+            engine_ = engine
             sample_seed = seed + t_index * n_samples + index  # every episode its own: independent draws
             try:
+                if engine_for is not None:
+                    engine_ = engine_for(env, task)
                 if isinstance(env, EpisodeDriver):  # the `agent` env: its main trajectory scores the episode
                     return await env.drive_episode(
-                        task, engine, tokenizer, config, seed=sample_seed, group_id=str(task["id"]), sample_index=index,
+                        task, engine_, tokenizer, config, seed=sample_seed, group_id=str(task["id"]), sample_index=index,
                     )
                 if isinstance(env, TurnTaking):
-                    return await run_turns(env, task, engine, tokenizer, config, roster, seed=sample_seed,
+                    return await run_turns(env, task, engine_, tokenizer, config, roster, seed=sample_seed,
                                            group_id=str(task["id"]), sample_index=index)
                 return [await run_episode(
-                    env, task, engine, tokenizer, config, seed=sample_seed, group_id=str(task["id"]),
+                    env, task, engine_, tokenizer, config, seed=sample_seed, group_id=str(task["id"]),
                     sample_index=index, seat=roster.seat(SINGLE_AGENT) if roster.agents else None,
                 )]
             finally:
                 await env.close()
+                if engine_ is not engine:
+                    await engine_.close()
 
     jobs = [one(task, t, i) for t, task in enumerate(tasks) for i in range(n_samples)]
     episodes = list(await asyncio.gather(*jobs))
@@ -141,3 +151,24 @@ async def evaluate(
         trajectories=trajectories,
         others=others,
     )
+
+
+class NoOracleError(AgentrlError, ValueError):
+    """`agentrl eval --oracle` on an env (or task) that has no oracle."""
+
+
+def oracle_engine(env: Env, task: Task, tokenizer: ChatTokenizer) -> InferenceEngine:
+    """An engine that plays `env.oracle(task)` for one episode: each reply in order, as Hermes tool-call
+    text (what the env's parser reads back; checked here, so a parser that disagrees fails loudly)."""
+    replies = env.oracle(task)
+    if not replies:
+        raise NoOracleError(f"env {env.episode_name()!r} has no oracle for task {task.get('id')!r}")
+    texts = []
+    for message in replies:
+        text = hermes_content(message)
+        parsed = env.parse_action(text)
+        if [(c.name, c.arguments) for c in parsed.tool_calls] != [(c.name, c.arguments) for c in message.tool_calls]:
+            raise NoOracleError(f"env {env.episode_name()!r}: its parser does not read the oracle's tool calls back "
+                                f"from Hermes text ({text[:200]!r})")
+        texts.append(text)
+    return ScriptedEngine(ScriptedEngine.Config(replies=texts), tokenizer=tokenizer)

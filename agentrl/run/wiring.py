@@ -20,7 +20,7 @@ from agentrl.env import Env, Task
 from agentrl.errors import AgentrlError, ConfigError
 from agentrl.rollout.manager import RolloutManager
 from agentrl.run.demonstrations import demonstration_sample
-from agentrl.run.evaluation import EvalResult, evaluate, reward_by_env
+from agentrl.run.evaluation import EvalResult, evaluate, oracle_engine, reward_by_env
 from agentrl.run.metrics_log import MetricsLog
 from agentrl.run.policies import PolicyTrainers, build_policy_trainers, policy_lag, roster, sync_policies
 from agentrl.run.resources import RunResources
@@ -227,8 +227,9 @@ def batch_metrics(batch: Sequence[Group]) -> dict[str, float]:
     return out
 
 
-async def evaluate_config(config: RunConfig, parts: Parts | EvalParts) -> EvalResult:
-    """Evaluate on the held-out tasks with the run's eval settings (`run.eval_temperature` over the rollout's)."""
+async def evaluate_config(config: RunConfig, parts: Parts | EvalParts, *, oracle: bool = False) -> EvalResult:
+    """Evaluate on the held-out tasks with the run's eval settings (`run.eval_temperature` over the rollout's);
+    with `oracle`, each episode is played by the env's oracle (`Env.oracle`) instead of the engine."""
     rollout = config.rollout
     if config.run.eval_temperature is not None:
         sampling = rollout.sampling.model_copy(update={"temperature": config.run.eval_temperature})
@@ -243,6 +244,7 @@ async def evaluate_config(config: RunConfig, parts: Parts | EvalParts) -> EvalRe
         ks=sorted({1, config.run.eval_samples}),
         seed=config.run.seed,
         roster=roster(config, evaluation=True),
+        engine_for=(lambda env, task: oracle_engine(env, task, parts.tokenizer)) if oracle else None,
     )
 
 

@@ -142,3 +142,27 @@ async def test_rollout_oracle_and_dead_workspace_through_run_episode(sandbox: An
         assert traj.error is not None and traj.error.kind == ErrorClass.SANDBOX, traj.error
     finally:
         await env.close()
+
+
+def test_agentrl_eval_oracle_solves_every_held_out_task(tmp_path: Any, tiny_llama_path: str) -> None:
+    """`agentrl eval examples/terminal.yaml --oracle`: the tasks' own solve.sh, played as tool calls through the
+    env (workspace, hidden tests), scores 1.0 on all 10 test tasks; no model is loaded."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from agentrl.cli import build_app
+    from agentrl.store.trajectory_store import TrajectoryStore
+
+    config = Path(__file__).parents[2] / "examples" / "terminal.yaml"
+    out = tmp_path / "oracle"
+    result = CliRunner().invoke(build_app(), ["eval", str(config), "--oracle", "--tasks", "10", "--out", str(out),
+                                              f"model.path={tiny_llama_path}"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["model"] == "oracle" and summary["tasks"] == 10
+    assert summary["reward_mean"] == 1.0 and summary["pass@1"] == 1.0 and summary["errors"] == 0.0
+    with TrajectoryStore(out / "trajectories.sqlite", readonly=True) as store:
+        rows = store.read("SELECT reward, status FROM trajectories")
+    assert rows == [(1.0, "eval")] * 10

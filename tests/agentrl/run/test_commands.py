@@ -58,3 +58,11 @@ def test_eval_of_a_model_without_a_checkpoint_is_the_policy_before_training(
     with TrajectoryStore(out / "trajectories.sqlite", readonly=True) as store:
         assert store.read("SELECT DISTINCT step, status FROM trajectories") == [(0, "eval")]
         assert dict(store.metrics())[0]["eval/errors"] == 0.0
+
+
+def test_eval_oracle_of_an_env_without_one_names_the_env(tmp_path: Path, tiny_llama_path: str) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(f"env: calculator\nmodel: {{path: {tiny_llama_path}}}\n")
+    result = CliRunner().invoke(build_app(), ["eval", str(config), "--oracle", "--tasks", "2"])
+    assert result.exit_code == 2, result.output
+    assert "env 'calculator' has no oracle for task" in result.output
