@@ -303,9 +303,8 @@ class Worker:
     def kill(self) -> None:
         """Kill the worker; its PID namespace (everything in it) dies with it."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the chain's leader heads its own group; Popen.kill would poll and
+            # reap it under asyncio's child watcher ("Unknown child process", returncode 255)
 
     async def close(self) -> None:
         if self.proc.returncode is None:

@@ -259,9 +259,8 @@ class LocalWorkspace(Workspace):
     def _kill_now(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the chain's leader heads its own group; Popen.kill would poll and
+                # reap it under asyncio's child watcher ("Unknown child process", returncode 255)
 
     async def _teardown(self) -> None:
         try:

@@ -264,14 +264,22 @@ async def test_sandboxfusion_says_not_supported() -> None:
     await sb.close()
 
 
-async def test_many_concurrent_workspaces_leave_nothing(local: object) -> None:
+async def test_many_concurrent_workspaces_leave_nothing(local: object, caplog: pytest.LogCaptureFixture) -> None:
+    """...and asyncio's child watcher reaps every chain: killing one must not also poll it (Popen.kill does),
+    which raced the watcher ("Unknown child process pid N, will report returncode 255" in a run's log)."""
     mark = marker()
+    codes: list[int | None] = []
 
     async def one(i: int) -> str:
         async with local.workspace(WorkspaceSpec(disk_mb=16)) as ws:
             await ws.exec(f"sleep {mark} & echo {i} > n")
-            return (await ws.exec("cat n")).stdout
+            out = (await ws.exec("cat n")).stdout
+        codes.append(ws.proc.returncode)
+        return out
 
-    outs = await asyncio.gather(*(one(i) for i in range(16)))
+    with caplog.at_level("WARNING", logger="asyncio"):
+        outs = await asyncio.gather(*(one(i) for i in range(16)))
     assert outs == [f"{i}\n" for i in range(16)]
+    assert codes == [-signal.SIGKILL] * 16  # the watcher's report of the kill, not its 255 for a child gone
+    assert not [r for r in caplog.records if "Unknown child process" in r.getMessage()]
     assert_nothing_left(mark, await gone(mark))
