@@ -78,6 +78,9 @@ class TerminalConfig(ToolEnvConfig):
     fork: bool = Field(default=True, description="set up each task once and fork it per episode (copy-on-write)")
     disk_mb: int = Field(default=512, ge=16, description="writable space of one workspace on local (MB)")
     tool_timeout_s: float = Field(default=120.0, gt=0, description="per-call limit of a tool")
+    few_shot: int = Field(default=0, ge=0, le=8, description=(
+        "worked train tasks put in every prompt before the task (instruction -> bash with the oracle's "
+        "solve.sh -> its result -> submit); the shortest oracles, never the task itself"))
 
 
 class TaskStates:
@@ -161,6 +164,7 @@ class TerminalEnv(ToolEnv[TerminalConfig]):
         self._plugins = plugins
         self.resources, self._owns_resources = run_resources(resources)
         self._tasks: dict[str, HarborTask] | None = None
+        self._shot_tasks: list[Task] | None = None
         self.ws: Workspace | None = None
         self.task: HarborTask | None = None
         self._turns = 0
@@ -185,29 +189,48 @@ class TerminalEnv(ToolEnv[TerminalConfig]):
 
     def demonstrations(self) -> list[list[Message]]:
         """One conversation per train task with an oracle: its solve.sh as one bash call, then submit."""
-        out = []
-        for task in self.tasks("train"):
-            replies = self.oracle(task)
-            if replies is None:
-                continue
-            bash, submit = replies
-            out.append([
-                *self.initial_messages(task),
-                bash, Message(role="tool", content="[exit code 0]", tool_call_id="call_0", name="bash"),
-                submit, Message(role="tool", content="submitted", tool_call_id="call_1", name="submit"),
-            ])
+        return [d for task in self.tasks("train") if (d := self._solved(task, self.initial_messages(task)))]
+
+    def _solved(self, task: Task, opening: list[Message]) -> list[Message] | None:
+        """`opening`, then the task's oracle as the assistant's turns with their tool results."""
+        replies = self.oracle(task)
+        if replies is None:
+            return None
+        bash, submit = replies
+        return [
+            *opening,
+            bash, Message(role="tool", content="[exit code 0]", tool_call_id="call_0", name="bash"),
+            submit, Message(role="tool", content="submitted", tool_call_id="call_1", name="submit"),
+        ]
+
+    def _shots(self, task: Task) -> list[Message]:
+        """`few_shot` solved train tasks (the shortest oracles but `task`), as prior exchanges of the prompt."""
+        if self.config.few_shot == 0:
+            return []
+        if self._shot_tasks is None:
+            scripts = {str(t["id"]): self._oracle_script(t) for t in self.tasks("train")}
+            self._shot_tasks = sorted((t for t in self.tasks("train") if scripts[str(t["id"])] is not None),
+                                      key=lambda t: (len(scripts[str(t["id"])] or ""), str(t["id"])))
+        picked = [t for t in self._shot_tasks if t["id"] != task.get("id")][: self.config.few_shot]
+        out: list[Message] = []
+        for t in picked:
+            out += self._solved(t, [Message(role="user", content=self._harbor_task(t).instruction.strip())]) or []
         return out
 
     def oracle(self, task: Task) -> list[Message] | None:
         """The task's solution/solve.sh as one `bash` call, then `submit`; None for a task without one."""
-        solve = self._harbor_task(task).path / "solution" / "solve.sh"
-        if not solve.is_file():
+        script = self._oracle_script(task)
+        if script is None:
             return None
         return [
             Message(role="assistant", content="", tool_calls=[
-                ToolCall(id="call_0", name="bash", arguments={"command": solve.read_text().strip()})]),
+                ToolCall(id="call_0", name="bash", arguments={"command": script})]),
             Message(role="assistant", content="", tool_calls=[ToolCall(id="call_1", name="submit", arguments={})]),
         ]
+
+    def _oracle_script(self, task: Task) -> str | None:
+        solve = self._harbor_task(task).path / "solution" / "solve.sh"
+        return solve.read_text().strip() if solve.is_file() else None
 
     def _harbor_task(self, task: Task) -> HarborTask:
         found = self.harbor_tasks().get(str(task.get("id")))
@@ -221,7 +244,7 @@ class TerminalEnv(ToolEnv[TerminalConfig]):
             workdir = t.recipe().workdir
         except HarborFormatError:  # a Dockerfile only docker can build
             workdir = "the image's working directory"
-        return [Message(role="system", content=GUIDE.format(workdir=workdir)),
+        return [Message(role="system", content=GUIDE.format(workdir=workdir)), *self._shots(task),
                 Message(role="user", content=t.instruction.strip())]
 
     # -- workspace lifecycle

@@ -40,6 +40,24 @@ def test_bundled_tasks_and_splits() -> None:
     assert len(demos) == len(train) and demos[0][2].tool_calls[0].name == "bash"  # type: ignore[index]
 
 
+def test_few_shot_prompts_show_solved_train_tasks_never_the_task_itself() -> None:
+    env = TerminalEnv(TerminalConfig(few_shot=2))
+    test_task = next(iter(env.tasks("test")))
+    prompt = env.initial_messages(test_task)
+    assert [m.role for m in prompt] == ["system", *(["user", "assistant", "tool", "assistant", "tool"] * 2), "user"]
+    shots = [prompt[1], prompt[6]]
+    shortest = sorted(env.tasks("train"), key=lambda t: (len(env.oracle(t)[0].tool_calls[0].arguments["command"]),  # type: ignore[index]
+                                                          t["id"]))
+    assert [m.content for m in shots] == [env.harbor_tasks()[t["id"]].instruction.strip() for t in shortest[:2]]
+    assert prompt[2].tool_calls == env.oracle(shortest[0])[0].tool_calls  # type: ignore[index]
+    assert prompt[-1].content == env.harbor_tasks()[test_task["id"]].instruction.strip()
+    first = shortest[0]
+    own = env.initial_messages(first)  # a shot task's own prompt shows the next ones instead
+    assert own[1].content == env.harbor_tasks()[shortest[1]["id"]].instruction.strip()
+    assert own[6].content == env.harbor_tasks()[shortest[2]["id"]].instruction.strip()
+    assert len(TerminalEnv().initial_messages(test_task)) == 2  # few_shot defaults to 0
+
+
 async def test_every_oracle_solves_its_task_through_the_env(sandbox: Any) -> None:
     """reset -> bash(solve.sh) -> submit gives reward 1.0 on every task; doing nothing gives 0.0."""
     env0 = TerminalEnv(sandbox=sandbox)
