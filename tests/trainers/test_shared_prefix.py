@@ -80,3 +80,14 @@ def test_shared_prefix_equals_the_full_forward_with_gradients(tiny_llama_path: s
     assert len(grads) == len(full_grads) > 0
     for g, ref in zip(grads, full_grads, strict=True):
         torch.testing.assert_close(g, ref)
+
+
+def test_shared_prefix_with_gradient_checkpointing_is_a_config_error() -> None:
+    """HF's checkpointed layers drop the KV cache the suffix pass reads: refused up front, naming both keys."""
+    from pydantic import ValidationError
+
+    from agentrl.trainers.config import TrainerConfig
+
+    with pytest.raises(ValidationError, match=r"shared_prefix=true does not combine with trainer.gradient_checkpointing"):
+        TrainerConfig(shared_prefix=True, gradient_checkpointing=True)
+    assert TrainerConfig(shared_prefix=False, gradient_checkpointing=True).gradient_checkpointing
