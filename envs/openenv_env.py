@@ -272,8 +272,10 @@ class OpenEnvEnv(Env[OpenEnvConfig]):
             raise EpisodeFailure(ErrorClass.TIMEOUT, f"the OpenEnv server's {what} took over "
                                  f"message_timeout_s={self.config.message_timeout_s:g}") from e
         except Exception as e:
-            hint = (" (a server at its max_concurrent_envs closes new sessions: set env.max_sessions to it)"
-                    if what == "reset" and "ConnectionClosed" in type(e).__name__ else "")
+            # a server at capacity either says so (CAPACITY_REACHED) or just closes the socket: which one is a race
+            at_capacity = "ConnectionClosed" in type(e).__name__ or "CAPACITY_REACHED" in str(e)
+            hint = (" (a server at its max_concurrent_envs refuses new sessions: set env.max_sessions to it)"
+                    if what == "reset" and at_capacity else "")
             raise EpisodeFailure(ErrorClass.ENV, f"the OpenEnv server's {what} failed: {type(e).__name__}: {e}"
                                  f"{hint}") from e
 
