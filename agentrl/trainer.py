@@ -91,6 +91,18 @@ class AdapterTrainer(Protocol):
 
 
 @runtime_checkable
+class DeltaTrainer(Protocol):
+    """A trainer that can sync only what changed (`agentrl.weights.delta`).
+
+    `delta_for_engines(engine_version, dtype)` is the sync from the version the engine serves to
+    the trainer's (the whole model when the trainer holds no base for that version), or None when
+    delta sync is off.
+    """
+
+    def delta_for_engines(self, engine_version: int, dtype: str) -> WeightSource | None: ...
+
+
+@runtime_checkable
 class PolicyTrainer(Protocol):
     """A LoRA trainer that can be one of several policies over one base (a multi-policy run).
 

@@ -334,6 +334,12 @@ class TrainerConfig(_Section):
         None,
         description="DeepSpeed ZeRO settings; only with data_parallel=deepspeed (defaults when absent: ZeRO-2)",
     )
+    delta_sync: bool = Field(
+        False,
+        description="full fine-tuning: a sync sends only the elements whose bits changed in the engine's "
+        "dtype since the version it serves (engines that take patches: hf); costs one copy of the model "
+        "in that dtype",
+    )
     weight_bucket_mb: float = Field(
         256.0, gt=0.0, description="max size in MiB of one bucket of weights sent to the engines"
     )
@@ -379,6 +385,12 @@ class TrainerConfig(_Section):
             raise ValueError(
                 "trainer.shared_prefix=true does not combine with trainer.gradient_checkpointing=true: the suffixes "
                 "read the prefix's KV cache, which HF's checkpointed layers do not keep (set one of them to false)"
+            )
+        if self.delta_sync and (self.lora is not None or self.data_parallel != "ddp"):
+            raise ValueError(
+                "trainer.delta_sync=true is for full fine-tuning with data_parallel='ddp' (got "
+                f"lora={'set' if self.lora is not None else None}, data_parallel={self.data_parallel!r}): "
+                "a LoRA sync already sends the adapter alone"
             )
         if self.deepspeed is not None and self.data_parallel != "deepspeed":
             raise ValueError(

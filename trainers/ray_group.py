@@ -105,6 +105,9 @@ class RayTrainerConfig(TrainerConfig):
                 f"trainer.device={self.device}: the ray trainer places its ranks itself; "
                 "set trainer.num_gpus_per_rank (e.g. 1) to train on GPUs"
             )
+        if self.delta_sync:
+            raise ValueError("trainer.delta_sync=true is not built for the ray trainer yet (its rank 0 sends "
+                             "whole tensors): use the torch trainer, or delta_sync: false")  # fmt: skip
         return self
 
 

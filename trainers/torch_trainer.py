@@ -80,6 +80,7 @@ from agentrl.trainers.step_bookkeeping import (
 from agentrl.trainers.token_stats import TokenStatsRecorder
 from agentrl.types import JSON, Group, TrainSample
 from agentrl.weights.buckets import NamedTensorBuckets, hf_named_tensors
+from agentrl.weights.delta import DeltaBuckets, DeltaEncoder
 
 __all__ = ["Samples", "TorchTrainer", "TrainerConfigError"]
 
@@ -118,6 +119,7 @@ class TorchTrainer:
             self.optimizer, self.scheduler = m.zero.optimizer, lr_schedule(self.config, m.zero.optimizer)
         else:
             self.optimizer, self.scheduler = build_optimizer(self.config, m.trainable())
+        self._delta = DeltaEncoder() if self.config.delta_sync else None  # what the engine holds, bit for bit
 
     # ------------------------------------------------------------------ the RL step
     def train_step(self, groups: Sequence[Group]) -> TrainStepResult:
@@ -453,6 +455,20 @@ class TorchTrainer:
             dtype=dtype,
             source_device=source_device,
         )
+
+    def delta_for_engines(self, engine_version: int, dtype: str) -> DeltaBuckets | None:
+        """With `delta_sync`: the sync from the engine's `engine_version` to this trainer's version, in the
+        engine's `dtype` (a torch dtype name): only the elements whose bits changed, or the whole model when
+        the trainer holds no base for that version (`agentrl.weights.delta`). None without `delta_sync`."""
+        if self._delta is None:
+            return None
+        wire = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(wire, torch.dtype):
+            raise ValueError(f"delta sync: {dtype!r} is not a torch dtype")
+        return self._delta.source(
+            lambda: hf_named_tensors(self.model), version=self.policy_version, engine_version=engine_version,
+            dtype=wire, bucket_mb=self.config.weight_bucket_mb, source_device=torch.device(self.device).type,
+        )  # fmt: skip
 
     def lora_policy_for_engine(self) -> nn.Module | None:
         """The LoRA policy whose frozen base an hf engine in this process may sample with, else None

@@ -119,6 +119,28 @@ class CountedWeightSource(Protocol):
 
 
 @runtime_checkable
+class DeltaWeightSource(Protocol):
+    """A delta sync's weight source: `ratio` of the whole model's bytes it sent, `full` when it had no base
+    for the engine's version and sent the whole model (the run logs `weight_sync/delta_*`)."""
+
+    full: bool
+
+    @property
+    def ratio(self) -> float: ...
+
+
+@runtime_checkable
+class DeltaEngine(Protocol):
+    """An engine that applies a delta sync's patches (`agentrl.weights.delta`) to weights of its own.
+
+    `weights_dtype()` is the dtype of its weights (a torch dtype name, e.g. "bfloat16"), the dtype a
+    delta is computed in, or None while it cannot take a delta (e.g. it samples with the trainer's base).
+    """
+
+    def weights_dtype(self) -> str | None: ...
+
+
+@runtime_checkable
 class BaseSharingEngine(Protocol):
     """An engine that can sample with the trainer's own frozen base tensors (one copy of the base).
 

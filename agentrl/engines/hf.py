@@ -520,6 +520,13 @@ class HFEngine:
 
         return adopt_trainer_base(self, trainer)
 
+    def weights_dtype(self) -> str | None:
+        """The dtype of the model's weights, what a delta sync is computed in (`DeltaEngine`); None once
+        it samples with the trainer's base (its syncs are the adapter's)."""
+        if self.weights_wanted != "full":
+            return None
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
     def memory_stats(self) -> dict[str, float]:
         """The engine's own share of the process's memory (`memory/engine/<key>`, MiB; `hf_memory`)."""
         from agentrl.engines.hf_memory import engine_memory_mb

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 
 from agentrl.chat.conversation import ChatTokenizer, HFChatTokenizer
 from agentrl.config import RunConfig
-from agentrl.engines.base import BaseSharingEngine, CountedWeightSource, InferenceEngine
+from agentrl.engines.base import (
+    BaseSharingEngine,
+    CountedWeightSource,
+    DeltaEngine,
+    DeltaWeightSource,
+    InferenceEngine,
+    WeightSource,
+)
 from agentrl.engines.models import resolve_model
 from agentrl.env import Env, Task
 from agentrl.errors import AgentrlError, ConfigError
@@ -25,7 +32,7 @@ from agentrl.run.metrics_log import MetricsLog
 from agentrl.run.policies import PolicyTrainers, build_policy_trainers, policy_lag, roster, sync_policies
 from agentrl.run.resources import RunResources
 from agentrl.store.trajectory_store import TrajectoryStore
-from agentrl.trainer import AdapterTrainer, ClosableTrainer, Trainer
+from agentrl.trainer import AdapterTrainer, ClosableTrainer, DeltaTrainer, Trainer
 from agentrl.types import Group, TrainSample
 
 
@@ -173,12 +180,7 @@ async def sync_weights(engine: InferenceEngine, trainer: Trainer) -> dict[str, f
     """
     if isinstance(trainer, PolicyTrainers):
         return await sync_policies(engine, trainer)
-    source = (  # an engine that samples with the trainer's own base gets the adapter alone
-        trainer.adapter_for_engines()
-        if isinstance(engine, BaseSharingEngine) and engine.weights_wanted == "adapter"
-        and isinstance(trainer, AdapterTrainer)
-        else trainer.state_for_engines()
-    )
+    source = weights_for(engine, trainer)
     version = int(trainer.policy_version)
     started = time.perf_counter()
     await engine.update_weights(source, version)
@@ -193,7 +195,22 @@ async def sync_weights(engine: InferenceEngine, trainer: Trainer) -> dict[str, f
         mb = source.sent_bytes / 2**20
         metrics |= {"weight_sync/mb": mb, "weight_sync/mb_per_s": mb / max(took, 1e-9),
                     "weight_sync/buckets": float(source.sent_buckets)}  # fmt: skip
+    if isinstance(source, DeltaWeightSource):
+        metrics |= {"weight_sync/delta_ratio": source.ratio, "weight_sync/delta_full": float(source.full)}
     return metrics
+
+
+def weights_for(engine: InferenceEngine, trainer: Trainer) -> WeightSource:
+    """What a sync hands `engine`: the adapter alone to an engine that samples with the trainer's own base,
+    only the changed elements to one that takes a delta from a trainer with `delta_sync`, else the whole model."""
+    if isinstance(engine, BaseSharingEngine) and engine.weights_wanted == "adapter" and isinstance(trainer, AdapterTrainer):
+        return trainer.adapter_for_engines()
+    dtype = engine.weights_dtype() if isinstance(engine, DeltaEngine) else None
+    if dtype is not None and isinstance(trainer, DeltaTrainer):
+        delta = trainer.delta_for_engines(int(engine.policy_version), dtype)
+        if delta is not None:
+            return delta
+    return trainer.state_for_engines()
 
 
 def rollout_manager(config: RunConfig, parts: Parts, tasks: Iterable[Task]) -> RolloutManager:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentrl.weights.delta import Patch, apply_patch, decoded
+
 
 class NamedTensorBuckets:
     """A `WeightSource`: `buckets()` yields lists of (name, tensor) of <= bucket_mb each.
@@ -148,18 +150,26 @@ def copy_buckets_into(params: dict[str, torch.Tensor], buckets: Iterable[Sequenc
     """The receiving end in one process: copy each named tensor into the parameter (or buffer) of that name.
 
     An unknown name or another shape is an error naming it, before anything of
-    that tensor is copied; the device and dtype are the target's.
+    that tensor is copied; the device and dtype are the target's. A delta sync's
+    patches (`agentrl.weights.delta`) are written element-wise into their tensor.
     """
     for bucket in buckets:
-        for name, tensor in bucket:
-            target = params.get(name)
-            if target is None:
-                raise KeyError(
-                    f"update_weights: unknown parameter {name!r} (the model has e.g. {', '.join(list(params)[:3])})"
-                )
+        for item in decoded(bucket):
+            if isinstance(item, Patch):
+                apply_patch(_target(params, item.name), item)
+                continue
+            name, tensor = item
+            target = _target(params, name)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(target.shape)}"
                 )
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+
+def _target(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    target = params.get(name)
+    if target is None:
+        raise KeyError(f"update_weights: unknown parameter {name!r} (the model has e.g. {', '.join(list(params)[:3])})")
+    return target
