@@ -134,3 +134,10 @@ def test_delta_sync_is_for_full_fine_tuning() -> None:
 
     with pytest.raises(ValueError, match="delta_sync=true is for full fine-tuning"):
         TrainerConfig(delta_sync=True, lora={"r": 4})
+
+
+def test_the_ray_trainer_says_it_does_not_send_deltas() -> None:
+    from agentrl.trainers.ray_group import RayTrainerConfig
+
+    with pytest.raises(ValueError, match="delta_sync=true is not built for the ray trainer"):
+        RayTrainerConfig(delta_sync=True)
