@@ -120,8 +120,8 @@ class VLLMEngine:
         lora_rank: int = Field(
             default=0, ge=0,
             description="the largest LoRA rank this engine serves (vLLM's max_lora_rank: 1, 8, 16, 32, 64, ...); "
-            "0 = no LoRA. Needed for adapter-only syncs of a LoRA trainer (set it to trainer.lora.r or more) "
-            "and for named adapters (Sampling.adapter)",
+            "rounded up to one of those; 0 = no LoRA. Needed for adapter-only syncs of a LoRA trainer (agentrl "
+            "train sets it to the trainer's largest lora.r when not given) and for named adapters (Sampling.adapter)",
         )
         max_adapters: int = Field(
             default=4, ge=1,
@@ -143,9 +143,9 @@ class VLLMEngine:
         @field_validator("lora_rank")
         @classmethod
         def _lora_rank(cls, value: int) -> int:
-            if value and value not in _LORA_RANKS:
+            if value > _LORA_RANKS[-1]:
                 raise ValueError(f"engine.lora_rank={value}: vLLM serves ranks up to one of {_LORA_RANKS}")
-            return value
+            return next(r for r in _LORA_RANKS if r >= value) if value else 0  # vLLM sizes its layers for these
 
     def __init__(self, config: VLLMEngine.Config | None = None) -> None:
         self.config = cfg = config if config is not None else self.Config()

@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentrl.chat.conversation import ChatTokenizer, HFChatTokenizer
 from agentrl.config import RunConfig
@@ -159,11 +160,31 @@ def _tasks(env: Env, split: str, key: str) -> list[Task]:
 def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> InferenceEngine:
     """The engine serves exactly the weights the trainer starts from (`model.path`)."""
     plugins = config.registry()
-    params = dict(config.engine.params)
-    if "model" in plugins.engines.get(config.engine.name).Config.model_fields:
-        params["model"] = model_path
+    params = engine_params(config, model_path, set(plugins.engines.get(config.engine.name).Config.model_fields))
     engine: InferenceEngine = plugins.create_engine(config.engine.name, params, tokenizer=tokenizer)
     return engine
+
+
+def engine_params(config: RunConfig, model_path: str, fields: set[str]) -> dict[str, Any]:
+    """The engine section's params, plus what the run knows for an engine that has the field: `model`
+    (the trainer's starting weights) and, unless given, `lora_rank` (the LoRA layers an engine makes when it
+    starts: sized for the trainer's adapter, a sync is the adapter alone)."""
+    params = dict(config.engine.params)
+    if "model" in fields:
+        params["model"] = model_path
+    rank = trainer_lora_rank(config)
+    validated = config.engine.config
+    given = validated.model_fields_set if validated is not None else set(params)  # what the user wrote
+    if "lora_rank" in fields and "lora_rank" not in given and rank:
+        params["lora_rank"] = rank
+    return params
+
+
+def trainer_lora_rank(config: RunConfig) -> int:
+    """The largest LoRA rank the run trains (`trainer.lora.r`, or any policy's), 0 without LoRA."""
+    sections = [config.trainer.params, *({**config.trainer.params, **p.trainer} for p in config.policies.values())]
+    ranks = [int((s.get("lora") or {}).get("r", 0) or 0) for s in sections if isinstance(s.get("lora") or {}, dict)]
+    return max(ranks, default=0)
 
 
 async def sync_weights(engine: InferenceEngine, trainer: Trainer) -> dict[str, float]:

@@ -134,3 +134,28 @@ def test_greedy_evaluation_takes_one_sample() -> None:
 
     with pytest.raises(ConfigError, match=r"run: .*eval_samples=4 with eval_temperature=0"):
         resolve_config({"env": "agentrl.envkit.testing:TrivialEnv", "run": {"eval_temperature": 0, "eval_samples": 4}})
+
+
+def test_a_vllm_engine_is_sized_for_the_trainers_lora_rank() -> None:
+    """Without engine.lora_rank a LoRA run's vllm engine gets the trainer's rank (rounded up to one vLLM sizes
+    its LoRA layers for), so a sync is the adapter alone; an explicit value is the user's; no LoRA, no layers."""
+    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.run.wiring import engine_params, trainer_lora_rank
+
+    def config(trainer: dict[str, object], engine: dict[str, object] | None = None) -> RunConfig:
+        return resolve_config({"env": "agentrl.envkit.testing:TrivialEnv", "engine": {"name": "vllm", **(engine or {})},
+                               "trainer": trainer})  # fmt: skip
+
+    fields = set(VLLMEngine.Config.model_fields)
+    lora = {"lora": {"r": 12, "alpha": 24}}
+    params = engine_params(config(lora), "/m", fields)
+    assert params["model"] == "/m" and params["lora_rank"] == 12
+    assert engine_params(config(lora, {"lora_rank": 64}), "/m", fields)["lora_rank"] == 64  # the user's own
+    assert engine_params(config({}), "/m", fields)["lora_rank"] == 0  # no LoRA: no LoRA layers
+    assert engine_params(config(lora), "/m", {"model"})["lora_rank"] == 0  # an engine that has no such key: untouched
+    assert trainer_lora_rank(config({"lora": {"r": 12, "alpha": 24}})) == 12
+    assert trainer_lora_rank(config({})) == 0
+    assert VLLMEngine.Config(model="m", lora_rank=12).lora_rank == 16
+    assert VLLMEngine.Config(model="m", lora_rank=32).lora_rank == 32
+    with pytest.raises(ValueError, match="vLLM serves ranks up to one of"):
+        VLLMEngine.Config(model="m", lora_rank=1000)
