@@ -360,7 +360,7 @@ class HFEngine:
         if not tokens or epoch != self._epoch_of(batch.rows[i].sampling.adapter):
             return
         start = batch.attn.shape[1] - len(tokens)
-        self._prefix.insert(tokens, lambda n: row_kv(batch, i, start, n), epoch=epoch)
+        self._prefix.insert(tokens, lambda lo, hi: row_kv(batch, i, start + lo, hi - lo), epoch=epoch)
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         """One decode step for every running row."""

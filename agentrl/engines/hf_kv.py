@@ -46,8 +46,7 @@ def past_cache(hits: Sequence[tuple[PrefixEntry | None, int]], past: int, config
         values = some.values[layer].new_zeros((len(hits), heads, past, dim))
         for i, (entry, n) in enumerate(hits):
             if entry is not None and n:
-                keys[i, :, past - n :] = entry.keys[layer][:, :n]
-                values[i, :, past - n :] = entry.values[layer][:, :n]
+                entry.copy_into(layer, n, keys[i, :, past - n :], values[i, :, past - n :])
         data.append((keys, values))
     return DynamicCache(ddp_cache_data=data, config=config)
 

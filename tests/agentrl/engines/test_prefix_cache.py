@@ -104,8 +104,8 @@ async def test_multi_turn_chain_reuses_the_previous_turn(pair: tuple[HFEngine, H
         assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt) - hit
         stored = len(prompt) + len(a.ids) - 1
         prompt = prompt + a.ids + delta
-    # one entry per chain: each turn's entry replaced the previous one it extends
-    assert (await detail(cached))["prefix_cache_entries"] == 1
+    # each turn's entry extends the previous one and stores only its own tokens: the chain's KV is held once
+    assert (await detail(cached))["prefix_cache_tokens"] == stored
     # what the run logs as rollout/engine/*: the same counters, and the share of prompt tokens reused
     final, stats = await detail(cached), cached.stats()
     assert stats["prefix_cache_hit_tokens"] == final["prefix_cache_hit_tokens"] > 0
@@ -157,13 +157,18 @@ async def test_identical_prompts_admitted_together_share_one_prefill(pair: tuple
 async def test_cached_kv_equals_a_fresh_forward(tiny_llama_path: str) -> None:
     eng = make(tiny_llama_path)
     try:
+        shared = "the same long opening words for both prompts, then"
         await together(eng, [encode(eng, "one two three four"), encode(eng, "a much longer prompt with more words in it")])
+        await eng.generate(encode(eng, f"{shared} one ending"), GREEDY)
+        await eng.generate(encode(eng, f"{shared} a different ending"), GREEDY)  # stores only its own tail
         entries = eng._prefix.entries()
-        assert len(entries) == 2
+        assert len(entries) == 8  # per request its prompt (at prefill) and its whole row (at retire), chained
+        assert any(e.parent is not None and e.base > 5 and e.parent.parent is None for e in entries)
         for entry in entries:
             with torch.no_grad():
                 cache = eng.model(entry.tokens[None], use_cache=True).past_key_values
-            for layer, keys, values in zip(cache.layers, entry.keys, entry.values, strict=True):
+            for i, layer in enumerate(cache.layers):
+                keys, values = entry.layer_kv(i)
                 assert torch.allclose(layer.keys[0], keys, atol=1e-5)
                 assert torch.allclose(layer.values[0], values, atol=1e-5)
     finally:
@@ -189,7 +194,7 @@ async def test_no_stale_entry_after_a_weight_update(tiny_llama_path: str, mode: 
     try:
         prompt = encode(eng, "Once upon a time there was a")
         first = await eng.generate(prompt, GREEDY)
-        assert (await detail(eng))["prefix_cache_entries"] == 1
+        assert (await detail(eng))["prefix_cache_tokens"] == len(prompt) + len(first.ids) - 1
         # a request running across the update: under continue_new its KV mixes both weights
         running = asyncio.create_task(eng.generate(prompt + first.ids, Sampling(max_tokens=200, seed=0)))
         async with asyncio.timeout(60):
@@ -224,7 +229,7 @@ async def test_eviction_keeps_the_total_under_the_cap(tiny_llama_path: str) -> N
             out = await eng.generate(prompt, GREEDY)
             d = await detail(eng)
             assert d["prefix_cache_tokens"] <= cap
-            assert d["prefix_cache_tokens"] == sum(len(e) for e in eng._prefix.entries())
+            assert d["prefix_cache_tokens"] == sum(e.own for e in eng._prefix.entries())
             assert_exact(eng, prompt, out)
         assert (await detail(eng))["prefix_cache_evictions"] > 0
         # the most recent entry survived; the oldest did not
@@ -253,8 +258,9 @@ async def test_cap_zero_disables(tiny_llama_path: str) -> None:
         HFEngine.Config(prefix_cache_tokens=-1)
 
 
-def fake_kv(n: int) -> tuple[list[Any], list[Any]]:
-    return [torch.arange(n, dtype=torch.float32)[None, :, None]], [torch.zeros(1, n, 1)]
+def fake_kv(lo: int, hi: int) -> tuple[list[Any], list[Any]]:
+    """KV whose keys are the token positions, so what an entry reads back shows where it came from."""
+    return [torch.arange(lo, hi, dtype=torch.float32)[None, :, None]], [torch.zeros(1, hi - lo, 1)]
 
 
 def test_store_deduplicates_truncates_and_matches_only_its_epoch() -> None:
@@ -262,10 +268,13 @@ def test_store_deduplicates_truncates_and_matches_only_its_epoch() -> None:
     store.insert([1, 2, 3], fake_kv, epoch=0)
     store.insert([1, 2], fake_kv, epoch=0)  # covered: nothing new
     assert len(store) == 1 and store.tokens == 3
-    store.insert([1, 2, 3, 4, 5], fake_kv, epoch=0)  # extends: replaces
-    assert len(store) == 1 and store.tokens == 5
-    store.insert(list(range(100, 120)), fake_kv, epoch=0)  # longer than the cap: truncated
-    assert store.tokens == 10 and store.evictions == 1
+    store.insert([1, 2, 3, 4, 5], fake_kv, epoch=0)  # extends: stores only 4, 5 and reads 1..3 from [1, 2, 3]
+    assert len(store) == 2 and store.tokens == 5
+    longest = store.entries()[-2]  # [1, 2, 3] was touched after it: ancestors are more recent
+    assert longest.tokens.tolist() == [1, 2, 3, 4, 5] and longest.base == 3 and longest.keys[0].shape == (1, 2, 1)
+    assert longest.layer_kv(0)[0].flatten().tolist() == [0, 1, 2, 3, 4]
+    store.insert(list(range(100, 120)), fake_kv, epoch=0)  # longer than the cap: truncated, the rest evicted
+    assert store.tokens == 10 and store.evictions == 2
     (entry,) = store.entries()
     assert entry.tokens.tolist() == list(range(100, 110)) and entry.keys[0].shape == (1, 10, 1)
     hit, n = store.lookup(torch.tensor([100, 101, 102, 7]), epoch=0, limit=3)
@@ -274,6 +283,38 @@ def test_store_deduplicates_truncates_and_matches_only_its_epoch() -> None:
     assert store.lookup(torch.tensor([100, 101, 102, 7]), epoch=1, limit=3) == (None, 0)
     assert store.lookup(torch.tensor([5, 101]), epoch=0, limit=2) == (None, 0)
     store.clear()
+    assert len(store) == 0 and store.tokens == 0
+
+
+def test_siblings_store_their_shared_prefix_once() -> None:
+    store = PrefixCache(max_tokens=1000)
+    prompt = list(range(1, 101))  # one prompt, eight samples of it (a GRPO group)
+    for k in range(8):
+        store.insert([*prompt, 1000 + k, 2000 + k], fake_kv, epoch=0)
+    assert store.tokens == 102 + 7 * 2  # the prompt once, then two own tokens per later sample
+    for k in range(8):
+        hit, n = store.lookup(torch.tensor([*prompt, 1000 + k, 2000 + k, 5]), epoch=0, limit=102)
+        assert hit is not None and n == 102 and hit.layer_kv(0)[0].flatten().tolist() == list(range(102))
+    # a sample of another epoch shares nothing, and a sibling links to the entry that owns the prefix
+    store.insert([*prompt, 7], fake_kv, epoch=1)
+    assert store.tokens == 116 + 101
+    owner = next(e for e in store.entries() if e.parent is None and e.epoch == 0)
+    assert all(e.parent is owner for e in store.entries() if e.epoch == 0 and e is not owner)
+
+
+def test_eviction_takes_leaves_first_and_a_parent_takes_its_subtree() -> None:
+    store = PrefixCache(max_tokens=30)
+    store.insert(list(range(20)), fake_kv, epoch=0)  # the shared prompt
+    store.insert([*range(20), 50, 51], fake_kv, epoch=0)
+    store.insert([*range(20), 60, 61], fake_kv, epoch=0)
+    assert store.tokens == 24
+    store.insert(list(range(200, 208)), fake_kv, epoch=0)  # 32 > 30: evicts the LRU leaf [.., 50, 51]
+    assert store.evictions == 1 and store.tokens == 30
+    left = {tuple(e.tokens.tolist()[-2:]) for e in store.entries()}
+    assert (50, 51) not in left and (60, 61) in left and (18, 19) in left
+    hit, n = store.lookup(torch.tensor([*range(20), 60, 61]), epoch=0, limit=22)
+    assert n == 22 and hit is not None and hit.layer_kv(0)[0].flatten().tolist() == list(range(22))
+    store.drop_epoch(0)
     assert len(store) == 0 and store.tokens == 0
 
 
