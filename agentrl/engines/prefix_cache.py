@@ -51,7 +51,7 @@ class PrefixEntry:
     epoch: int  # the engine's weights epoch: matched only while it is current
     parent: PrefixEntry | None = None
     base: int = 0  # tokens read from the parent (0 without one)
-    children: set[int] = field(default_factory=set)  # ids of entries whose parent this is
+    children: set[int] = field(default_factory=set)  # ids, not entries: no parent<->child cycle holds KV alive
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -69,14 +69,6 @@ class PrefixEntry:
         if self.parent is not None and self.base:
             m = min(n, self.base)
             self.parent.copy_into(layer, m, keys[:, :m], values[:, :m])
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All of this entry's tokens' KV of `layer`, own and inherited: ([heads, T, head_dim], same)."""
-        heads, _, dim = self.keys[layer].shape
-        keys = self.keys[layer].new_empty((heads, len(self), dim))
-        values = self.values[layer].new_empty((heads, len(self), dim))
-        self.copy_into(layer, len(self), keys, values)
-        return keys, values
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

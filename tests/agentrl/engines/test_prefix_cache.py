@@ -18,11 +18,20 @@ torch = pytest.importorskip("torch")
 
 from agentrl.engines.base import Sampling  # noqa: E402
 from agentrl.engines.hf import HFEngine  # noqa: E402
-from agentrl.engines.prefix_cache import PrefixCache  # noqa: E402
+from agentrl.engines.prefix_cache import PrefixCache, PrefixEntry  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 GREEDY = Sampling(max_tokens=8, temperature=0.0)
+
+
+def layer_kv(entry: PrefixEntry, layer: int) -> tuple[Any, Any]:
+    """All of an entry's tokens' KV of `layer`, own and inherited, read back through the tree."""
+    heads, _, dim = entry.keys[layer].shape
+    keys = entry.keys[layer].new_empty((heads, len(entry), dim))
+    values = entry.values[layer].new_empty((heads, len(entry), dim))
+    entry.copy_into(layer, len(entry), keys, values)
+    return keys, values
 
 
 def make(path: str, cap: int = 32768, **kw: Any) -> HFEngine:
@@ -168,7 +177,7 @@ async def test_cached_kv_equals_a_fresh_forward(tiny_llama_path: str) -> None:
             with torch.no_grad():
                 cache = eng.model(entry.tokens[None], use_cache=True).past_key_values
             for i, layer in enumerate(cache.layers):
-                keys, values = entry.layer_kv(i)
+                keys, values = layer_kv(entry, i)
                 assert torch.allclose(layer.keys[0], keys, atol=1e-5)
                 assert torch.allclose(layer.values[0], values, atol=1e-5)
     finally:
@@ -272,7 +281,7 @@ def test_store_deduplicates_truncates_and_matches_only_its_epoch() -> None:
     assert len(store) == 2 and store.tokens == 5
     longest = store.entries()[-2]  # [1, 2, 3] was touched after it: ancestors are more recent
     assert longest.tokens.tolist() == [1, 2, 3, 4, 5] and longest.base == 3 and longest.keys[0].shape == (1, 2, 1)
-    assert longest.layer_kv(0)[0].flatten().tolist() == [0, 1, 2, 3, 4]
+    assert layer_kv(longest, 0)[0].flatten().tolist() == [0, 1, 2, 3, 4]
     store.insert(list(range(100, 120)), fake_kv, epoch=0)  # longer than the cap: truncated, the rest evicted
     assert store.tokens == 10 and store.evictions == 2
     (entry,) = store.entries()
@@ -294,7 +303,7 @@ def test_siblings_store_their_shared_prefix_once() -> None:
     assert store.tokens == 102 + 7 * 2  # the prompt once, then two own tokens per later sample
     for k in range(8):
         hit, n = store.lookup(torch.tensor([*prompt, 1000 + k, 2000 + k, 5]), epoch=0, limit=102)
-        assert hit is not None and n == 102 and hit.layer_kv(0)[0].flatten().tolist() == list(range(102))
+        assert hit is not None and n == 102 and layer_kv(hit, 0)[0].flatten().tolist() == list(range(102))
     # a sample of another epoch shares nothing, and a sibling links to the entry that owns the prefix
     store.insert([*prompt, 7], fake_kv, epoch=1)
     assert store.tokens == 116 + 101
@@ -313,7 +322,7 @@ def test_eviction_takes_leaves_first_and_a_parent_takes_its_subtree() -> None:
     left = {tuple(e.tokens.tolist()[-2:]) for e in store.entries()}
     assert (50, 51) not in left and (60, 61) in left and (18, 19) in left
     hit, n = store.lookup(torch.tensor([*range(20), 60, 61]), epoch=0, limit=22)
-    assert n == 22 and hit is not None and hit.layer_kv(0)[0].flatten().tolist() == list(range(22))
+    assert n == 22 and hit is not None and layer_kv(hit, 0)[0].flatten().tolist() == list(range(22))
     store.drop_epoch(0)
     assert len(store) == 0 and store.tokens == 0
 
