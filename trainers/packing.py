@@ -221,7 +221,7 @@ def packed_sdpa_attention(
     from the restarting `position_ids`. Anything that is not a single packed row
     without a mask (generation with a cache, padded batches) goes to HF's sdpa.
     """
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     prefix_len = kwargs.get(SHARED_PREFIX_KWARG)
     if prefix_len is not None:  # suffixes [B, L] reading a shared cached prefix of prefix_len keys
@@ -244,12 +244,17 @@ def packed_sdpa_attention(
     if not starts or starts[0] != 0:
         starts = [0, *starts]
     bounds = [*starts, t]
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    gqa = key.shape[1] != query.shape[1]
     p = dropout if module.training else 0.0
     outs = [
         torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            dropout_p=p,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
         )
         for s, e in itertools.pairwise(bounds)
         if e > s
@@ -266,15 +271,21 @@ def _prefix_suffix_attention(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Suffix query i sees every prefix key and suffix keys 0..i (right padding is never seen)."""
-    from transformers.integrations.sdpa_attention import repeat_kv
+    """Suffix query i sees every prefix key and suffix keys 0..i (right padding is never seen).
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    Grouped-query keys are not repeated per head (`enable_gqa`): autograd then keeps the
+    kv heads' keys, not a copy per query head (366 MB of the default example's peak).
+    """
     q_len = query.shape[2]
     mask = torch.ones(q_len, key.shape[2], dtype=torch.bool, device=query.device).tril(diagonal=prefix_len)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
     )
     return out.transpose(1, 2).contiguous()
 
