@@ -81,10 +81,30 @@ def layout_cost(cu_seqlens: Sequence[int], layout: Sequence[tuple[int, int, int]
     return sum(family_cost(Family(tuple(range(first, first + count)), p), lengths) for first, count, p in layout)
 
 
+def split_family(family: Family, lengths: Sequence[int], token_budget: int) -> list[Family]:
+    """A family over the budget as several with the same prefix, each within it where one member fits.
+
+    Members go longest suffix first, so each part pads to lengths close to its own.
+    Each part runs the prefix again: more compute for a smaller peak (activations
+    scale with a micro-batch's tokens), only when a group exceeds `micro_batch_tokens`.
+    """
+    if len(family.members) == 1 or family_cost(family, lengths) <= token_budget:
+        return [family]
+    parts: list[list[int]] = []
+    for m in sorted(family.members, key=lambda i: -lengths[i]):
+        if parts and family.prefix_len + (len(parts[-1]) + 1) * (lengths[parts[-1][0]] - family.prefix_len) <= token_budget:
+            parts[-1].append(m)
+        else:
+            parts.append([m])
+    return [Family(tuple(p), family.prefix_len) for p in parts]
+
+
 def plan_families(families: Sequence[Family], lengths: Sequence[int], token_budget: int) -> list[list[Family]]:
-    """Whole families into micro-batches of <= token_budget cost (first-fit decreasing)."""
-    bins = plan_micro_batches([family_cost(f, lengths) for f in families], token_budget)
-    return [[families[i] for i in b] for b in bins]
+    """Families into micro-batches of <= token_budget cost (first-fit decreasing); a family over
+    the budget is split first (`split_family`)."""
+    parts = [part for f in families for part in split_family(f, lengths, token_budget)]
+    bins = plan_micro_batches([family_cost(f, lengths) for f in parts], token_budget)
+    return [[parts[i] for i in b] for b in bins]
 
 
 def shared_prefix_hidden(

@@ -14,6 +14,7 @@ from agentrl.trainers.shared_prefix import (
     find_families,
     plan_families,
     shared_prefix_hidden,
+    split_family,
 )
 
 
@@ -35,6 +36,20 @@ def test_families_plan_whole_groups_and_split_short_prefixes() -> None:
     bins = plan_families(fams, lengths, token_budget=26)
     assert sorted(m for b in bins for f in b for m in f.members) == [0, 1, 2, 3]
     assert all(sum(family_cost(f, lengths) for f in b) <= 26 for b in bins if len(b) > 1)
+
+
+def test_a_family_over_the_budget_splits_into_parts_within_it() -> None:
+    lengths = [20 + n for n in (5, 1, 9, 3, 2)]  # a 20-token prefix, suffixes of 5, 1, 9, 3, 2
+    fam = Family((0, 1, 2, 3, 4), 20)
+    assert family_cost(fam, lengths) == 20 + 5 * 9
+    assert split_family(fam, lengths, 100) == [fam]  # within the budget: unchanged
+    parts = split_family(fam, lengths, 40)
+    assert parts == [Family((2, 0), 20), Family((3, 4, 1), 20)]  # longest first: 20 + 2*9, 20 + 3*3
+    assert all(family_cost(p, lengths) <= 40 for p in parts)
+    assert split_family(fam, lengths, 23) == [Family((m,), 20) for m in (2, 0, 3, 4, 1)]  # one member each, even over
+    bins = plan_families([fam], lengths, 40)
+    assert sorted(m for b in bins for f in b for m in f.members) == [0, 1, 2, 3, 4]
+    assert all(sum(family_cost(f, lengths) for f in b) <= 40 for b in bins)
 
 
 @pytest.mark.parametrize("lora", [False, True])

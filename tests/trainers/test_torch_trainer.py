@@ -85,6 +85,21 @@ def test_shared_prefix_gives_the_same_loss_and_gradients(
         TrainerConfig.model_validate({"shared_prefix": True, "attention": "sdpa"})
 
 
+def test_a_group_over_the_micro_batch_budget_splits_with_the_same_gradients(tiny_llama_path: str, build: Any) -> None:
+    """A family bigger than micro_batch_tokens runs as several (the prompt once per part): same update."""
+    groups = build.groups(3, 4, seed=5, prompt_len=(20, 30))
+    plain = trainer(tiny_llama_path, micro_batch_tokens=4096)
+    m1 = plain.compute_gradients(groups).metrics
+    split = trainer(tiny_llama_path, micro_batch_tokens=60, shared_prefix=True, shared_prefix_min_tokens=8)
+    m2 = split.compute_gradients(groups).metrics
+    assert m2["pack/micro_batches"] > 3  # 3 groups: more micro-batches means groups were split
+    assert m2["pack/shared_prefix_saved"] > 0.1  # the parts still share their prompt
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+    g1, g2 = grads(plain), grads(split)
+    for n, g in g1.items():
+        torch.testing.assert_close(g2[n], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=n)
+
+
 def test_on_policy_data_has_no_mismatch(tiny_llama_path: str, build: Any) -> None:
     t = trainer(tiny_llama_path, off_policy={"mode": "decoupled"})
     prompt, comps = [5, 6, 7, 8], [[9, 10, 11], [12, 13]]
