@@ -308,7 +308,8 @@ class TrainerConfig(_Section):
     shared_prefix: bool = Field(
         False,
         description="run each group's common loss-free prompt prefix once, suffixes attend to its KV "
-        "(exact); needs packed_sdpa and sequence_parallel_size=1",
+        "(exact); a group over micro_batch_tokens splits into parts, the prefix once per part; "
+        "needs packed_sdpa and sequence_parallel_size=1",
     )
     shared_prefix_min_tokens: int = Field(
         16, ge=1, description="groups whose common prefix is shorter than this many tokens run per sample"
