@@ -91,7 +91,8 @@ class HFEngine:
             default=True,
             description="beside a LoRA trainer in this process: sample with the trainer's own frozen base "
             "weights and a copy of its adapter (one copy of the base; a sync sends the adapter alone, "
-            "agentrl.engines.hf_shared); False keeps a model of its own and takes merged weights",
+            "agentrl.engines.hf_shared; with dtype auto it samples in the trainer's dtype); "
+            "False keeps a model of its own and takes merged weights",
         )
 
     def __init__(self, config: HFEngine.Config | None = None, *, model: Any = None, tokenizer: Any = None) -> None:

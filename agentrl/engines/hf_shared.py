@@ -78,7 +78,8 @@ def adopt_trainer_base(engine: Any, trainer: object) -> bool:
     It does when the trainer offers a shareable LoRA policy
     (`lora_policy_for_engine()`, e.g. the torch trainer in one process), the
     engine allows it (`share_trainer_base`), and both sides agree on device and
-    dtype. The engine's own model is dropped; from then on a sync hands it the
+    dtype; an engine with `dtype: auto` takes the trainer's dtype (a bf16 checkpoint
+    beside an fp32 trainer would otherwise keep a second, bf16 copy and get merged syncs). The engine's own model is dropped; from then on a sync hands it the
     trainer's adapter alone (`weights_wanted == "adapter"`).
     """
     if not engine.config.share_trainer_base or not isinstance(trainer, AdapterTrainer) or engine._worker is not None:
@@ -88,8 +89,8 @@ def adopt_trainer_base(engine: Any, trainer: object) -> bool:
         return False
     frozen = next(p for p in policy.parameters() if not p.requires_grad)
     own = next(iter(engine.model.parameters()))
-    if frozen.device != own.device or frozen.dtype != own.dtype:
-        return False  # e.g. a bf16 engine beside an fp32 trainer: it keeps its own model
+    if frozen.device != own.device or (frozen.dtype != own.dtype and engine.config.dtype != "auto"):
+        return False  # e.g. an engine pinned to bf16 beside an fp32 trainer: it keeps its own model
     engine.model = shared_base_model(policy)
     engine._adapters.rebind(engine.model)  # named adapters sit on the shared frozen base
     engine.shared_storages = frozenset(

@@ -92,3 +92,28 @@ async def test_the_engine_can_opt_out(tiny_llama_path: str) -> None:
         assert not engine.share_base_with(trainer) and engine.weights_wanted == "full"
     finally:
         await engine.close()
+
+
+
+@pytest.mark.parametrize(("engine_dtype", "shares"), [("auto", True), ("bf16", False)])
+async def test_an_auto_dtype_engine_takes_the_trainers_dtype(
+    tiny_llama_path: str, tmp_path: Any, engine_dtype: str, shares: bool
+) -> None:
+    """A bf16 checkpoint beside an fp32 LoRA trainer: `dtype: auto` shares its base (sampling in fp32,
+    one copy, adapter-only syncs); an engine pinned to bf16 keeps its own model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    AutoTokenizer.from_pretrained(tiny_llama_path).save_pretrained(bf16_dir)
+    trainer = TorchTrainer({"lora": {"r": 4, "alpha": 8}}, str(bf16_dir))
+    engine = HFEngine(HFEngine.Config(model=str(bf16_dir), dtype=engine_dtype, max_batch_size=2))
+    try:
+        assert next(engine.model.parameters()).dtype == torch.bfloat16  # the checkpoint's dtype
+        assert engine.share_base_with(trainer) is shares
+        assert engine.weights_wanted == ("adapter" if shares else "full")
+        assert {p.dtype for p in engine.model.parameters()} == ({torch.float32} if shares else {torch.bfloat16})
+        out = await engine.generate([5, 6, 7], Sampling(max_tokens=3, temperature=0.0))
+        assert len(out.ids) >= 1
+    finally:
+        await engine.close()
