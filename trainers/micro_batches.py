@@ -3,8 +3,9 @@
 A step's samples become per-sample tensors once (`sample_fields`: loss mask,
 behaviour logprobs, versions; the step adds advantages and the auxiliary
 passes' values as further fields), then each mini-batch is packed into
-micro-batches by token budget (`MicroBatcher.pack`, whole shared-prefix
-families per micro-batch when `trainer.shared_prefix` is on).
+micro-batches by token budget (`MicroBatcher.pack`, shared-prefix families
+per micro-batch when `trainer.shared_prefix` is on, one over the budget split
+into parts: `shared_prefix.split_family`).
 `MicroBatcher.forwards` adds loss-free dummy batches where the ranks'
 collectives must stay matched (DDP's gradient all-reduce, FSDP's gathers).
 """
@@ -80,7 +81,7 @@ class MicroBatcher:
         subset: Sequence[int],
         families: Sequence[Family] | None = None,
     ) -> list[PackedBatch]:
-        """Micro-batches of `subset`; with shared-prefix `families`, whole families per micro-batch."""
+        """Micro-batches of `subset`; with shared-prefix `families`, families (or their parts) per micro-batch."""
         if not subset:
             return []
         if families is not None:

@@ -90,13 +90,14 @@ def split_family(family: Family, lengths: Sequence[int], token_budget: int) -> l
     """
     if len(family.members) == 1 or family_cost(family, lengths) <= token_budget:
         return [family]
-    parts: list[list[int]] = []
+    parts: list[Family] = []
     for m in sorted(family.members, key=lambda i: -lengths[i]):
-        if parts and family.prefix_len + (len(parts[-1]) + 1) * (lengths[parts[-1][0]] - family.prefix_len) <= token_budget:
-            parts[-1].append(m)
+        grown = Family((*parts[-1].members, m), family.prefix_len) if parts else None
+        if grown is not None and family_cost(grown, lengths) <= token_budget:
+            parts[-1] = grown
         else:
-            parts.append([m])
-    return [Family(tuple(p), family.prefix_len) for p in parts]
+            parts.append(Family((m,), family.prefix_len))
+    return parts
 
 
 def plan_families(families: Sequence[Family], lengths: Sequence[int], token_budget: int) -> list[list[Family]]:

@@ -79,7 +79,8 @@ def adopt_trainer_base(engine: Any, trainer: object) -> bool:
     (`lora_policy_for_engine()`, e.g. the torch trainer in one process), the
     engine allows it (`share_trainer_base`), and both sides agree on device and
     dtype; an engine with `dtype: auto` takes the trainer's dtype (a bf16 checkpoint
-    beside an fp32 trainer would otherwise keep a second, bf16 copy and get merged syncs). The engine's own model is dropped; from then on a sync hands it the
+    beside an fp32 trainer would otherwise keep a second, bf16 copy and get merged
+    syncs). The engine's own model is dropped; from then on a sync hands it the
     trainer's adapter alone (`weights_wanted == "adapter"`).
     """
     if not engine.config.share_trainer_base or not isinstance(trainer, AdapterTrainer) or engine._worker is not None:
