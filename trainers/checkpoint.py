@@ -2,8 +2,9 @@
 
 Layout of a checkpoint directory:
   model/               HF safetensors model (+ tokenizer): `from_pretrained(path/"model")` works.
-                       With LoRA the adapters are merged in (what engines and evals want). Under
-                       FSDP/DeepSpeed written bucket by bucket (sharded files + index).
+                       With LoRA the adapters are merged in (what engines and evals want). With
+                       LoRA and under FSDP/DeepSpeed written bucket by bucket (sharded files + index),
+                       so no whole second copy of the model is held while saving.
   adapter/             LoRA only: the peft adapter, which is what resume loads.
   trainer_state.pt     optimizer, scheduler, step, policy_version, critic (if any)
   deepspeed/           data_parallel=deepspeed only: DeepSpeed's own checkpoint, each rank's partition of
@@ -151,15 +152,11 @@ def _save_model(trainer: TorchTrainer, out: Path) -> None:
     with deepspeed_left_unimported():  # this path is never DeepSpeed's: save_pretrained would import it
         if trainer.config.lora is not None:
             model.save_pretrained(out / "adapter")
-            _save_merged(trainer, out / "model")
+            # merged one bucket at a time: a whole merged copy (or a second model to load it into) is not held
+            _write_streamed_model(trainer, out / "model", write=True)
         else:
             model.save_pretrained(out / "model", safe_serialization=True)
     _copy_tokenizer(trainer.model_path, out / "model")
-
-
-def _save_merged(trainer: TorchTrainer, out: Path) -> None:
-    """A plain HF model dir holding the LoRA-merged weights."""
-    _save_state(_hf_config(trainer), _engine_weights(trainer), out)
 
 
 def _hf_config(trainer: TorchTrainer) -> Any:
@@ -207,32 +204,6 @@ def _write_streamed_model(trainer: TorchTrainer, out: Path, *, write: bool) -> N
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
         _hf_config(trainer).save_pretrained(out)
-
-
-def _engine_weights(trainer: TorchTrainer, *, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The whole model as the engines get it (HF names, LoRA merged, FSDP shards gathered), on CPU.
-
-    Under FSDP every rank must read it (each tensor is gathered from all ranks);
-    `keep=False` (the ranks that do not write) drops each bucket once read, so
-    only the writing rank ever holds the whole model.
-    """
-    weights: dict[str, torch.Tensor] = {}
-    for bucket in trainer.state_for_engines().buckets():
-        if keep:
-            weights.update(bucket)
-    return weights
-
-
-def _save_state(config: Any, state: dict[str, torch.Tensor], out: Path) -> None:
-    """A plain HF model dir of `config` holding the weights `state` (HF names, tied aliases once)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if unexpected or [m for m in missing if m not in tied and not m.startswith("lm_head")]:
-        raise RuntimeError(f"saving the model: missing={missing} unexpected={unexpected}")
-    model.save_pretrained(out, safe_serialization=True)
 
 
 def _copy_tokenizer(src: str, out: Path) -> None:

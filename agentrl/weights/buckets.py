@@ -122,28 +122,27 @@ def _merged_lora_tensors(peft_model: nn.Module) -> Iterator[tuple[str, torch.Ten
     from peft.tuners.lora import LoraLayer
 
     base = peft_model.get_base_model()  # type: ignore[operator]
-    deltas: dict[str, torch.Tensor] = {}
-    for mod_name, mod in base.named_modules():
-        if isinstance(mod, LoraLayer):
-            delta: torch.Tensor | None = None
-            for adapter in mod.active_adapters:
-                if adapter in mod.lora_A:
-                    # every concrete LoRA layer (Linear, Embedding, ...) defines it; the base class does not
-                    d = mod.get_delta_weight(adapter)  # type: ignore[attr-defined]
-                    delta = d if delta is None else delta + d
-            if delta is not None:
-                deltas[mod_name] = delta
+    lora_layers = {name: mod for name, mod in base.named_modules() if isinstance(mod, LoraLayer)}
     aliases = tied_aliases(base)
     for name, t in base.state_dict().items():
         if ".lora_" in name or "lora_embedding" in name or name in aliases:
             continue
         clean = name.replace(".base_layer.", ".")
-        if name.endswith(".base_layer.weight"):
-            mod_name = name[: -len(".base_layer.weight")]
-            if mod_name in deltas:
-                yield clean, (t + deltas[mod_name].to(t.dtype)).detach()
-                continue
-        yield clean, t
+        layer = lora_layers.get(name[: -len(".base_layer.weight")]) if name.endswith(".base_layer.weight") else None
+        delta = _lora_delta(layer) if layer is not None else None
+        # each delta is made as its weight is read: one weight's worth of memory, not the whole model's
+        yield clean, t if delta is None else (t + delta.to(t.dtype)).detach()
+
+
+@torch.no_grad()
+def _lora_delta(layer: Any) -> torch.Tensor | None:
+    """The sum of the active adapters' weight deltas of one LoRA layer (None: no active adapter)."""
+    delta: torch.Tensor | None = None
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            d = layer.get_delta_weight(adapter)  # every concrete LoRA layer (Linear, Embedding, ...) defines it
+            delta = d if delta is None else delta + d
+    return delta
 
 
 def copy_buckets_into(params: dict[str, torch.Tensor], buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:

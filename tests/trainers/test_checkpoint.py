@@ -63,10 +63,11 @@ def test_lora_checkpoint_saves_merged_model_and_resumes_adapter(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    cfg = dict(CFG, lora={"r": 4})
+    cfg = dict(CFG, lora={"r": 4}, weight_bucket_mb=0.05)  # several shards: the merge is written bucket by bucket
     t = TorchTrainer(cfg, tiny_llama_path)
     t.train_step(build.groups(1, 2, seed=0))
     t.save(str(tmp_path / "l"), extra_state={"k": 1})
+    assert len(list((tmp_path / "l" / "model").glob("model-*.safetensors"))) > 1
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "l" / "model"), dtype=torch.float32)
     r = TorchTrainer(cfg, tiny_llama_path)
     r.load(str(tmp_path / "l"))
