@@ -160,15 +160,22 @@ def _tasks(env: Env, split: str, key: str) -> list[Task]:
 def _engine(config: RunConfig, model_path: str, tokenizer: ChatTokenizer) -> InferenceEngine:
     """The engine serves exactly the weights the trainer starts from (`model.path`)."""
     plugins = config.registry()
-    params = engine_params(config, model_path, set(plugins.engines.get(config.engine.name).Config.model_fields))
+
+    def fields_of(name: str) -> set[str]:
+        return set(plugins.engines.get(name).Config.model_fields)
+
+    params = engine_params(config, model_path, fields_of(config.engine.name), replica_fields=fields_of)
     engine: InferenceEngine = plugins.create_engine(config.engine.name, params, tokenizer=tokenizer)
     return engine
 
 
-def engine_params(config: RunConfig, model_path: str, fields: set[str]) -> dict[str, Any]:
+def engine_params(
+    config: RunConfig, model_path: str, fields: set[str], *, replica_fields: Callable[[str], set[str]] | None = None
+) -> dict[str, Any]:
     """The engine section's params, plus what the run knows for an engine that has the field: `model`
     (the trainer's starting weights) and, unless given, `lora_rank` (the LoRA layers an engine makes when it
-    starts: sized for the trainer's adapter, a sync is the adapter alone)."""
+    starts: sized for the trainer's adapter, a sync is the adapter alone). A pool's replicas (the `replica`
+    section of a ray pool) get the same `lora_rank` when their engine has one (`replica_fields(name)`)."""
     params = dict(config.engine.params)
     if "model" in fields:
         params["model"] = model_path
@@ -177,6 +184,11 @@ def engine_params(config: RunConfig, model_path: str, fields: set[str]) -> dict[
     given = validated.model_fields_set if validated is not None else set(params)  # what the user wrote
     if "lora_rank" in fields and "lora_rank" not in given and rank:
         params["lora_rank"] = rank
+    spec = params.get("replica")
+    if rank and replica_fields is not None and isinstance(spec, dict):
+        inner = dict(spec.get("params") or {})
+        if "lora_rank" in replica_fields(str(spec.get("name", "hf"))) and "lora_rank" not in inner:
+            params["replica"] = {**spec, "params": {**inner, "lora_rank": rank}}
     return params
 
 

@@ -138,7 +138,9 @@ def test_greedy_evaluation_takes_one_sample() -> None:
 
 def test_a_vllm_engine_is_sized_for_the_trainers_lora_rank() -> None:
     """Without engine.lora_rank a LoRA run's vllm engine gets the trainer's rank (rounded up to one vLLM sizes
-    its LoRA layers for), so a sync is the adapter alone; an explicit value is the user's; no LoRA, no layers."""
+    its LoRA layers for), so a sync is the adapter alone; an explicit value is the user's; no LoRA, no layers.
+    A ray pool's vllm replicas get the same."""
+    from agentrl.engines.ray_pool import RayEnginePool
     from agentrl.engines.vllm_engine import VLLMEngine
     from agentrl.run.wiring import engine_params, trainer_lora_rank
 
@@ -157,5 +159,22 @@ def test_a_vllm_engine_is_sized_for_the_trainers_lora_rank() -> None:
     assert trainer_lora_rank(config({})) == 0
     assert VLLMEngine.Config(model="m", lora_rank=12).lora_rank == 16
     assert VLLMEngine.Config(model="m", lora_rank=32).lora_rank == 32
+    # a ray pool's vllm replicas: the same rank, unless the replica's params give one; hf replicas have no such key
+    pool = set(RayEnginePool.Config.model_fields)
+
+    def replica_fields(name: str) -> set[str]:
+        return set(VLLMEngine.Config.model_fields) if name == "vllm" else {"model"}
+
+    def pool_params(replica: dict[str, object], trainer: dict[str, object] = lora) -> dict[str, object]:
+        got = engine_params(config(trainer, {"name": "ray", "replica": replica}), "/m", pool,
+                            replica_fields=replica_fields)["replica"]  # fmt: skip
+        assert isinstance(got, dict)
+        return got
+
+    assert pool_params({"name": "vllm", "params": {"max_model_len": 512}})["params"] == {"max_model_len": 512,
+                                                                                       "lora_rank": 12}  # fmt: skip
+    assert pool_params({"name": "vllm", "params": {"lora_rank": 64}})["params"] == {"lora_rank": 64}
+    assert pool_params({"name": "vllm"}, {})["params"] == {}
+    assert pool_params({"name": "hf"})["params"] == {}
     with pytest.raises(ValueError, match="vLLM serves ranks up to one of"):
         VLLMEngine.Config(model="m", lora_rank=1000)
