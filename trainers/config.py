@@ -382,11 +382,6 @@ class TrainerConfig(_Section):
                 "trainer.shared_prefix=true needs trainer.attention='packed_sdpa' and "
                 f"trainer.sequence_parallel_size=1 (got {self.attention!r}, {self.sequence_parallel_size})"
             )
-        if self.shared_prefix and self.gradient_checkpointing:
-            raise ValueError(
-                "trainer.shared_prefix=true does not combine with trainer.gradient_checkpointing=true: the suffixes "
-                "read the prefix's KV cache, which HF's checkpointed layers do not keep (set one of them to false)"
-            )
         if self.delta_sync and (self.lora is not None or self.data_parallel != "ddp"):
             raise ValueError(
                 "trainer.delta_sync=true is for full fine-tuning with data_parallel='ddp' (got "

@@ -3,9 +3,10 @@
 All samples of a group start with the same prompt (system prompt, few-shot
 demonstrations, the task), which is most of their tokens. Here the longest
 loss-free prefix common to a group ("family") is run through the decoder once;
-its KV cache is broadcast to the members, whose suffixes run as one padded batch
-attending to it. Gradients flow back through the shared KV into the prefix pass,
-so logprobs and gradients equal the per-sample computation exactly (up to float
+its keys and values are broadcast to the members, whose suffixes run as one padded
+batch attending to them (handed to the attention by keyword, not through an HF
+cache, so the layers may be checkpointed: `trainer.gradient_checkpointing`).
+Gradients flow back through the shared keys and values into the prefix pass, so logprobs and gradients equal the per-sample computation exactly (up to float
 rounding); only the redundant prefix work is gone.
 
 Families live inside ordinary `PackedBatch`es (members stored contiguously, the
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agentrl.trainers.packing import SHARED_PREFIX_KWARG, plan_micro_batches
+from agentrl.trainers.packing import READ_PREFIX_KV, RECORD_PREFIX_KV, PrefixKV, plan_micro_batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,28 +129,22 @@ def shared_prefix_hidden(
         starts = bounds[first : first + count]
         ends = bounds[first + 1 : first + count + 1]
         prefix = ids[starts[0] : starts[0] + p]
+        recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         pre = decoder(
             input_ids=prefix[None],
             position_ids=torch.arange(p, device=ids.device)[None],
-            use_cache=True,
+            use_cache=False,
+            **{RECORD_PREFIX_KV: recorded},
         )
-        cache = pre.past_key_values
-        for layer in cache.layers:  # one prefix, `count` readers: a view, no copy
-            layer.keys = layer.keys.expand(count, -1, -1, -1)
-            layer.values = layer.values.expand(count, -1, -1, -1)
+        # a copy: a checkpointed prefix layer recomputed in backward records into `recorded` again
+        shared = PrefixKV(dict(recorded), readers=count)
         suffix_lens = [e - s - p for s, e in zip(starts, ends, strict=True)]
         width = max(suffix_lens)
         suffix = ids.new_zeros(count, width)  # right-padded; causality keeps real tokens off the padding
         for k, (s, n) in enumerate(zip(starts, suffix_lens, strict=True)):
             suffix[k, :n] = ids[s + p : s + p + n]
         positions = torch.arange(p, p + width, device=ids.device).expand(count, -1)
-        out = decoder(
-            input_ids=suffix,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            **{SHARED_PREFIX_KWARG: p},
-        )
+        out = decoder(input_ids=suffix, position_ids=positions, use_cache=False, **{READ_PREFIX_KV: shared})
         # member k's rows: the prefix's last position, then its real suffix positions
         last = pre.last_hidden_state[:, p - 1 : p].expand(count, -1, -1)
         both = torch.cat([last, out.last_hidden_state], dim=1).reshape(count * (width + 1), -1)

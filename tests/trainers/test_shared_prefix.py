@@ -52,8 +52,11 @@ def test_a_family_over_the_budget_splits_into_parts_within_it() -> None:
     assert all(sum(family_cost(f, lengths) for f in b) <= 40 for b in bins)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_shared_prefix_equals_the_full_forward_with_gradients(tiny_llama_path: str, lora: bool) -> None:
+@pytest.mark.parametrize(("lora", "checkpointed"), [(False, False), (True, False), (False, True), (True, True)])
+def test_shared_prefix_equals_the_full_forward_with_gradients(tiny_llama_path: str, lora: bool,
+                                                              checkpointed: bool) -> None:  # fmt: skip
+    """Exact logprobs and gradients, also with the layers checkpointed (recomputed in backward: the
+    suffixes read the prefix's keys from the attention's kwargs, which a recompute leaves alone)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -79,8 +82,15 @@ def test_shared_prefix_equals_the_full_forward_with_gradients(tiny_llama_path: s
     fams = find_families([[0, 1, 2], [3]], seqs, masks, min_prefix=4)
     assert fams[0].prefix_len == 12 and fams[1].prefix_len == 3
 
+    layer_calls = [0]
+    decoder.layers[0].register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
+
     def run(shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad()
+        if shared and checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        layer_calls[0] = 0
         hidden = (
             shared_prefix_hidden(decoder, b.input_ids, b.cu_seqlens, [(0, 3, 12), (3, 1, 3)]) if shared else None
         )
@@ -91,18 +101,8 @@ def test_shared_prefix_equals_the_full_forward_with_gradients(tiny_llama_path: s
 
     full, full_grads = run(False)
     shared, grads = run(True)
+    assert layer_calls[0] == (8 if checkpointed else 4)  # 2 families x (prefix, suffixes), again in backward
     torch.testing.assert_close(shared[needed], full[needed])
     assert len(grads) == len(full_grads) > 0
     for g, ref in zip(grads, full_grads, strict=True):
         torch.testing.assert_close(g, ref)
-
-
-def test_shared_prefix_with_gradient_checkpointing_is_a_config_error() -> None:
-    """HF's checkpointed layers drop the KV cache the suffix pass reads: refused up front, naming both keys."""
-    from pydantic import ValidationError
-
-    from agentrl.trainers.config import TrainerConfig
-
-    with pytest.raises(ValidationError, match=r"shared_prefix=true does not combine with trainer.gradient_checkpointing"):
-        TrainerConfig(shared_prefix=True, gradient_checkpointing=True)
-    assert TrainerConfig(shared_prefix=False, gradient_checkpointing=True).gradient_checkpointing

@@ -58,11 +58,13 @@ def test_micro_batching_does_not_change_loss_or_gradients(
         torch.testing.assert_close(g2[n], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=n)
 
 
-@pytest.mark.parametrize("extra", [{}, {"lora": {"r": 4}, "off_policy": {"mode": "decoupled"}, "epochs": 2}])
+@pytest.mark.parametrize("extra", [{}, {"lora": {"r": 4}, "off_policy": {"mode": "decoupled"}, "epochs": 2},
+                                   {"lora": {"r": 4}, "gradient_checkpointing": True}])  # fmt: skip
 def test_shared_prefix_gives_the_same_loss_and_gradients(
     tiny_llama_path: str, build: Any, extra: dict[str, Any]
 ) -> None:
-    """Groups share their prompt; running it once per group must not change the update."""
+    """Groups share their prompt; running it once per group (with checkpointed layers too) must not change
+    the update."""
     groups = build.groups(3, 4, seed=5, prompt_len=(20, 30))
     if extra.get("epochs"):  # compute_gradients needs one update: compare full train steps instead
         plain, shared = trainer(tiny_llama_path, **extra), trainer(tiny_llama_path, shared_prefix=True, **extra)
@@ -71,9 +73,11 @@ def test_shared_prefix_gives_the_same_loss_and_gradients(
         for (n, p1), (_, p2) in zip(plain.model.named_parameters(), shared.model.named_parameters(), strict=True):
             torch.testing.assert_close(p2, p1, rtol=1e-4, atol=1e-5, msg=n)
     else:
-        plain = trainer(tiny_llama_path, micro_batch_tokens=4096)
+        unchecked = {k: v for k, v in extra.items() if k != "gradient_checkpointing"}
+        plain = trainer(tiny_llama_path, micro_batch_tokens=4096, **unchecked)
         m1 = plain.compute_gradients(groups).metrics
-        shared = trainer(tiny_llama_path, micro_batch_tokens=90, shared_prefix=True, shared_prefix_min_tokens=8)
+        shared = trainer(tiny_llama_path, micro_batch_tokens=90, shared_prefix=True, shared_prefix_min_tokens=8,
+                         **extra)  # fmt: skip
         m2 = shared.compute_gradients(groups).metrics
         assert m2["pack/micro_batches"] > 1  # families are split across micro-batches, never members
         assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
