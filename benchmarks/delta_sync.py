@@ -10,7 +10,9 @@ sent and the time each took, and checks that the two engines hold the same bits.
 
 Summary line: fp32_delta_ratio=<bytes sent / whole model, mean over steps 2..N>
 bf16_delta_ratio=<same> fp32_delta_vs_full_s=<delta sync time / full sync time, steps 2..N>
-bf16_delta_vs_full_s=<same> steps=<N>
+bf16_delta_vs_full_s=<same> fp32_tensors_touched=<share of tensors with any element sent, steps 2..N>
+bf16_tensors_touched=<same> steps=<N>. A receiver that re-packs each tensor it loads (vLLM) reloads the touched
+share whatever the bytes.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ async def main(args: argparse.Namespace) -> None:
     encoders = {d: DeltaEncoder() for d in dtypes}
     ratios: dict[str, list[float]] = {d: [] for d in dtypes}
     speed: dict[str, list[float]] = {d: [] for d in dtypes}
+    touched: dict[str, list[float]] = {d: [] for d in dtypes}
     print(f"model={args.model} lr={args.lr} steps={args.steps} threads={torch.get_num_threads()}")
     try:
         for step in range(1, args.steps + 1):
@@ -99,17 +102,20 @@ async def main(args: argparse.Namespace) -> None:
                 same = all(torch.equal(a[n], b[n]) for n in a)
                 print(f"step {step} {d}: train {train_s:.1f}s  full {full.sent_bytes / 2**20:.1f} MiB {full_s:.3f}s  "
                       f"delta {delta.sent_bytes / 2**20:.2f} MiB ({delta.ratio:.4f}, {delta.patched_tensors} tensors "
-                      f"patched, full={delta.full}) {delta_s:.3f}s  same_bits={same}")  # fmt: skip
+                      f"patched, {delta.touched_tensors}/{delta.tensors} touched, full={delta.full}) {delta_s:.3f}s  "
+                      f"same_bits={same}")  # fmt: skip
                 if not same:
                     raise SystemExit(f"the delta-synced {d} engine differs from the fully synced one at step {step}")
                 if step > 1:
                     ratios[d].append(delta.ratio)
                     speed[d].append(delta_s / full_s)
+                    touched[d].append(delta.touched_tensors / max(delta.tensors, 1))
     finally:
         for engine in engines.values():
             await engine.close()
     parts = [f"{d}_delta_ratio={statistics.mean(ratios[d]):.4f}" for d in dtypes]
     parts += [f"{d}_delta_vs_full_s={statistics.mean(speed[d]):.2f}" for d in dtypes]
+    parts += [f"{d}_tensors_touched={statistics.mean(touched[d]):.3f}" for d in dtypes]
     print(" ".join([*parts, f"steps={args.steps}"]))
 
 

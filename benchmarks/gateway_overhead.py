@@ -2,7 +2,7 @@
 gateway's added latency per call.
 
 Workload: `--sessions` concurrent multi-turn chats (`--turns` model turns each,
-`--max-tokens` per reply, temperature 1.0) on the `hf` engine
+`--max-tokens` per reply, `--temperature`, default 0) on the `hf` engine
 (SmolLM2-135M-Instruct by default). *Direct* runs each chat as the rollout
 loop does: a token-exact `Conversation`, `engine.generate` on its prompt
 ids, the reply appended verbatim, the next user message as a template delta.
@@ -11,7 +11,10 @@ the `openai` SDK (`AsyncOpenAI`, real HTTP on loopback) resending the whole
 history every turn, the gateway matching it and keeping the trajectory. Rounds
 alternate (direct, gateway, direct, ...) so a shared machine's load hits both
 alike; each side's tokens/s is the sampled tokens of its rounds over their
-wall time.
+wall time. Greedy by default: both sides then sample the same replies, so the
+ratio is the gateway's cost alone (at temperature 1 the sides' replies differ in
+length and content round to round, which moves tokens/s by several percent
+either way and says nothing about the gateway; docs/gateway.md).
 
 Each API is its own side (`--api`, default all three): `chat` (Chat Completions on
 the `openai` SDK), `responses` (the Responses API on the `openai` SDK, the whole
@@ -81,12 +84,12 @@ APIS = ("chat", "responses", "messages")
 
 
 async def direct(engine: HFEngine, tokenizer: HFChatTokenizer, budgets: Budgets, sessions: int, turns: int,
-                 max_tokens: int, grammar: str | None = None) -> int:
+                 max_tokens: int, temperature: float, grammar: str | None = None) -> int:
     """The chats on the engine, as the rollout loop runs them (under `grammar` if given); returns the sampled tokens."""
 
     async def chat(i: int) -> int:
         conv = Conversation(tokenizer, [Message("system", SYSTEM), Message("user", opening(i))], budgets=budgets)
-        sampling = Sampling(max_tokens=max_tokens, temperature=1.0, stop_ids=tuple(tokenizer.eos_ids), grammar=grammar)
+        sampling = Sampling(max_tokens=max_tokens, temperature=temperature, stop_ids=tuple(tokenizer.eos_ids), grammar=grammar)
         n = 0
         for t in range(turns):
             completion = await engine.generate(conv.token_ids, sampling)
@@ -260,7 +263,7 @@ async def main(args: argparse.Namespace) -> None:
     tokenizer = HFChatTokenizer.from_pretrained(path)
     engine = HFEngine(HFEngine.Config(model=path, dtype=args.dtype, max_batch_size=args.sessions, seed=0))
     budgets = Budgets(max_turns=args.turns, max_total_tokens=4096, max_new_tokens_per_turn=args.max_tokens)
-    backend = Backend(engine=engine, tokenizer=tokenizer, parser=HermesParser(), sampling=TrainerSampling(1.0),
+    backend = Backend(engine=engine, tokenizer=tokenizer, parser=HermesParser(), sampling=TrainerSampling(args.temperature),
                       budgets=budgets)
     apis = APIS if args.api == "all" else (args.api,)
     sides = ["direct", *apis]
@@ -269,14 +272,15 @@ async def main(args: argparse.Namespace) -> None:
     constrained = [0, 0.0]
     try:
         async with Gateway(GatewayConfig(), backend) as gateway:
-            await direct(engine, tokenizer, budgets, 2, 1, 8)  # warm-up: model, caches, HTTP stack
+            await direct(engine, tokenizer, budgets, 2, 1, 8, args.temperature)  # warm-up: model, caches, HTTP stack
             for api in apis:
                 await through_gateway(gateway, 2, 1, 8, api=api)
             for r in range(args.rounds):
                 for side in sides[r % len(sides):] + sides[: r % len(sides)]:  # rotated: load hits every side alike
                     start = time.perf_counter()
                     if side == "direct":
-                        tokens = await direct(engine, tokenizer, budgets, args.sessions, args.turns, args.max_tokens)
+                        tokens = await direct(engine, tokenizer, budgets, args.sessions, args.turns, args.max_tokens,
+                                              args.temperature)
                     else:
                         streamed = shares if side == "chat" else None
                         tokens = await through_gateway(gateway, args.sessions, args.turns, args.max_tokens, streamed, side)
@@ -287,7 +291,7 @@ async def main(args: argparse.Namespace) -> None:
                 if args.constrained:
                     start = time.perf_counter()
                     tokens = await direct(engine, tokenizer, budgets, args.sessions, args.turns, args.max_tokens,
-                                          grammar=json_grammar())
+                                          args.temperature, grammar=json_grammar())
                     took = time.perf_counter() - start
                     constrained[0] += tokens
                     constrained[1] += took
@@ -320,6 +324,8 @@ if __name__ == "__main__":
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy, the same replies on every side (the default); 1: the training distribution")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per side, alternating")
     parser.add_argument("--stream", action="store_true", help="the chat side streams (SSE as tokens are sampled)")
     parser.add_argument("--api", default="all", choices=["all", *APIS], help="which agent APIs to measure")

@@ -9,8 +9,9 @@ with a fixed seed, so every variant trains on the same batches. No engine, no
 env: this isolates the training step, which is the default example's peak.
 
 Each variant (`--variant "a=b c=d"`, trainer overrides; the first is the
-baseline) runs in a fresh subprocess. Before each step the child records its
-resident set size and resets the kernel's peak counter (5 > /proc/self/clear_refs);
+baseline) runs in a fresh subprocess. Before each step the child trims the heap
+(`malloc_trim`, as `agentrl train` does after a step), records its resident set
+size and resets the kernel's peak counter (5 > /proc/self/clear_refs);
 after it, step peak = VmHWM - RSS before (allocator slack included). Reported
 per variant: the process's peak RSS over all steps, and the median over steps
 after the first (the first pays one-time allocations) of the step peak and time.
@@ -112,15 +113,17 @@ def groups(args: argparse.Namespace, step: int) -> list[Any]:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     from agentrl.engines.models import resolve_model
-    from agentrl.run.memory import bound_heap_retention
+    from agentrl.run.memory import AllocatorTrim, bound_heap_retention
     from agentrl.trainers.torch_trainer import TorchTrainer
 
-    bound_heap_retention()  # as `agentrl train` does
+    bound_heap_retention()  # as `agentrl train` does, and it trims the heap after each step
+    trim = AllocatorTrim()
     trainer_cfg, model = trainer_config(Path(args.config), parse_overrides(args.child))
     trainer = TorchTrainer(trainer_cfg, resolve_model(model))
     steps = []
     for step in range(args.steps):
         batch = groups(args, step)
+        trim()
         before = _status_mb("VmRSS:")
         Path("/proc/self/clear_refs").write_text("5")
         t0 = time.perf_counter()

@@ -138,7 +138,9 @@ class DeltaBuckets:
         self.sent_bytes = 0
         self.sent_buckets = 0
         self.dense_bytes = 0  # what a full sync in the wire dtype would have sent
-        self.patched_tensors = 0
+        self.patched_tensors = 0  # tensors sent as a patch
+        self.touched_tensors = 0  # tensors with any element sent (patched or whole): what a receiver must reload
+        self.tensors = 0
         self._used = False
 
     def buckets(self) -> Iterator[Sequence[tuple[str, torch.Tensor]]]:
@@ -153,6 +155,8 @@ class DeltaBuckets:
             assert dtype is not None
             self.dense_bytes += tensor.numel() * dtype.itemsize
             self.patched_tensors += int(len(encoded) == 3)
+            self.touched_tensors += int(bool(encoded))
+            self.tensors += 1
             nbytes = sum(t.numel() * t.element_size() for _, t in encoded)
             if bucket and size + nbytes > self.bucket_bytes:
                 yield self._counted(bucket, size)

@@ -15,10 +15,11 @@ BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "gateway_overhead.p
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_overhead_benchmark_prints_its_summary(tiny_llama_path: str, stream: bool) -> None:
+    # temperature 1: greedy on a random tiny model can end every reply at once (no content to stream)
     extra = ["--stream", "--api", "chat"] if stream else ["--constrained"]
     out = subprocess.run(
         [sys.executable, str(BENCH), "--model", tiny_llama_path, "--sessions", "3", "--turns", "2",
-         "--max-tokens", "8", "--rounds", "1", "--latency-calls", "2", *extra],
+         "--max-tokens", "8", "--rounds", "1", "--latency-calls", "2", "--temperature", "1", *extra],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]

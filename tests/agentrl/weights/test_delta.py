@@ -38,6 +38,7 @@ def test_a_delta_sends_only_changed_bits_and_the_receiver_ends_bit_equal() -> No
         weights["b"].mul_(-1)  # every element changes: the whole tensor is cheaper than a patch
     second = _sync(encoder, weights, mirror, version=2, engine_version=1)
     assert not second.full and second.patched_tensors == 1
+    assert (second.touched_tensors, second.tensors) == (3, 4)  # a patched, b and the int buffer whole, frozen not sent
     dense = 64 * 32 * 2 + 128 * 2 + 16 * 16 * 2 + 8
     assert second.dense_bytes == dense
     assert second.sent_bytes == 3 * (4 + 2) + 8 * 2 + 128 * 2 + 8  # a's patch (+ shape), b whole, the int buffer
