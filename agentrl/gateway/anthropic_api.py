@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,11 +199,23 @@ def parse_messages_request(body: Any, trainer: TrainerSampling, threads: Threads
     return MessagesCall(chat, threads if body.get("thread") is not None else None)
 
 
-def stop_reason(result: ChatResult) -> str:
-    """`tool_use`, `max_tokens` or `end_turn` (the engine's stop strings and EOS alike end the turn)."""
+def stop_reason(result: ChatResult, stop_sequences: Sequence[str] = ()) -> tuple[str, str | None]:
+    """(`stop_reason`, `stop_sequence`): `tool_use`, `max_tokens`, `stop_sequence` with the one of the
+    request's `stop_sequences` that ended the reply, or `end_turn` (EOS, or a stop string of the backend's own).
+
+    The engine stops at the first stop string its text contains, so a request's sequence in the reply is the
+    one that ended it (the latest-ending, should two overlap at the end). The reply's text keeps it, as the
+    sampled tokens do (token-exact; Anthropic's own API leaves it out of the text).
+    """
     if result.message.tool_calls:
-        return "tool_use"
-    return "max_tokens" if result.completion.finish_reason == "length" else "end_turn"
+        return "tool_use", None
+    if result.completion.finish_reason == "length":
+        return "max_tokens", None
+    text = result.message.content or ""
+    ends = [(text.rfind(s) + len(s), s) for s in stop_sequences if s and s in text]
+    if ends:
+        return "stop_sequence", max(ends)[1]
+    return "end_turn", None
 
 
 def content_blocks(message: Message) -> list[dict[str, Any]]:
@@ -219,11 +231,12 @@ def new_message_id() -> str:
     return "msg_" + os.urandom(12).hex()
 
 
-def message_response(result: ChatResult, model: str, id: str) -> dict[str, Any]:
+def message_response(result: ChatResult, model: str, id: str, stop_sequences: Sequence[str] = ()) -> dict[str, Any]:
     """The non-streamed Message object, with the sampled ids as extra fields (as on chat completions)."""
+    reason, sequence = stop_reason(result, stop_sequences)
     return {
         "id": id, "type": "message", "role": "assistant", "model": model,
-        "content": content_blocks(result.message), "stop_reason": stop_reason(result), "stop_sequence": None,
+        "content": content_blocks(result.message), "stop_reason": reason, "stop_sequence": sequence,
         "usage": {"input_tokens": result.prompt_len, "output_tokens": len(result.completion.ids)},
         "token_ids": list(result.completion.ids), "policy_versions": list(result.completion.versions),
     }
@@ -290,8 +303,9 @@ class MessagesWriter:
                     "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}}),
                 ("content_block_stop", {"type": "content_block_stop", "index": i}),
             ]
+        reason, sequence = stop_reason(result, self.call.chat.stop)
         events.append(("message_delta", {
-            "type": "message_delta", "delta": {"stop_reason": stop_reason(result), "stop_sequence": None},
+            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": {"output_tokens": len(result.completion.ids)},
             "token_ids": list(result.completion.ids), "policy_versions": list(result.completion.versions)}))
         events.append(("message_stop", {"type": "message_stop"}))

@@ -312,7 +312,7 @@ class Gateway:
                 return await self.stream_answer(request, session, call.chat, fingerprint(body), writer)
             result = await session.chat(call.chat, fingerprint(body))
             call.keep(writer.id, result)
-            return web.json_response(anthropic_api.message_response(result, model, writer.id))
+            return web.json_response(anthropic_api.message_response(result, model, writer.id, call.chat.stop))
         except GatewayError as e:
             return web.json_response(anthropic_api.error_body(e), status=e.status)
 

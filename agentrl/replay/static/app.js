@@ -338,6 +338,15 @@ function turnPolicy(turn, info) {
     text: agent ? `${turn.policy} · ${agent}` : turn.policy });
 }
 
+// A turn sampled under a grammar (the gateway's tool_choice / response_format): its logprobs are the masked
+// distribution's, so the trainer's importance weights carry the mask.
+function turnConstraint(turn) {
+  const label = turn && turn.info && typeof turn.info.constrained === "string" ? turn.info.constrained : null;
+  if (!label) return null;
+  return h("span", { class: "badge constrained-badge", title: "sampled from the grammar-masked distribution (constrained decoding); its logprobs are that distribution's",
+    text: `constrained · ${label}` });
+}
+
 // The prompt (system prompt, few-shot demonstrations, the task) is shown as the prompt: demonstrations
 // grouped in one collapsed block, nothing in it numbered as a turn. Turn numbers and playback count the
 // episode's own model turns (t.turns), from 0, like the token view and the error's turn.
@@ -358,7 +367,8 @@ function conversationView(t, layout) {
         part ? h("span", { class: "badge prompt-badge", text: `prompt · ${part}` }) : null,
         !inPrompt && m.role === "assistant"
           ? h("span", { class: "badge turn-badge", text: turns[turn] ? `turn ${turn} · reward ${fmt(turns[turn].reward)}` : `turn ${turn}` }) : null,
-        !inPrompt && m.role === "assistant" ? turnPolicy(turns[turn], t.info) : null),
+        !inPrompt && m.role === "assistant" ? turnPolicy(turns[turn], t.info) : null,
+        !inPrompt && m.role === "assistant" ? turnConstraint(turns[turn]) : null),
       h("pre", { class: "content", text: m.content }));
     for (const c of m.tool_calls || []) {
       card.appendChild(h("div", { class: "toolcall" }, h("span", { class: "name", text: c.name }), " ",

@@ -126,3 +126,30 @@ async def test_refusals_are_anthropic_shaped(gateway: Gateway) -> None:
         r = await http.post(f"{gateway.url}/v1/messages", json=base, headers={"x-api-key": "sk-wrong"})  # key-routed
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert session.calls == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_sequence_is_reported_as_such(recorded: tuple[Gateway, RecordingEngine], stream: bool) -> None:
+    """A reply cut by one of the request's `stop_sequences` says `stop_sequence` and which one (the script's
+    second reply is "Answer: 42"); without them the same reply ends its turn."""
+    gw, engine = recorded
+    session = gw.open_session()
+    client = _client(gw, session)
+    messages: list[Any] = [{"role": "user", "content": "What is 7 * 6?"}]
+    first = await client.messages.create(model="agentrl", max_tokens=64, system=SYSTEM, messages=messages, tools=TOOLS)
+    [use] = first.content
+    messages += [{"role": "assistant", "content": first.content},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]}]
+    stops = ["never", "wer:"]
+    if stream:
+        async with client.messages.stream(model="agentrl", max_tokens=64, system=SYSTEM, messages=messages,
+                                          tools=TOOLS, stop_sequences=stops) as events:
+            reply = await events.get_final_message()
+    else:
+        reply = await client.messages.create(model="agentrl", max_tokens=64, system=SYSTEM, messages=messages,
+                                             tools=TOOLS, stop_sequences=stops)
+    await client.close()
+    assert first.stop_reason == "tool_use" and first.stop_sequence is None
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "wer:")
+    assert reply.content[0].text == "Answer:"  # cut there; the text keeps the sequence, as the tokens do
+    _one_branch(session, engine)

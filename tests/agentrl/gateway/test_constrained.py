@@ -171,3 +171,39 @@ async def test_smolagents_tool_calling_agent_with_its_defaults(hf_gateway: Gatew
         assert text.startswith(head) and text[len(head):].split('"')[0] in ("pick", "final_answer"), text
         if turn.info["finish_reason"] == "stop":  # complete: the call parses
             assert hf_gateway.backend.parser.parse(text.removesuffix("<|im_end|>")).tool_calls[0].error is None
+
+
+async def test_training_on_constrained_turns_corrects_for_the_mask(hf_gateway: Gateway, tiny: Any,
+                                                                    tiny_llama_path: str) -> None:  # fmt: skip
+    """A GRPO step on forced-call turns: the trainer's fresh-token mismatch is exactly the grammar's mask (its own
+    logprobs are the unmasked distribution's, the behaviour's the masked one's), and the IS metrics are logged."""
+    import dataclasses
+    import math
+
+    from agentrl.trainers.torch_trainer import TorchTrainer
+    from agentrl.types import Group
+
+    session = hf_gateway.open_session()
+    url = hf_gateway.base_url(session)
+    shifts = []
+    async with httpx.AsyncClient(timeout=120) as http:
+        for seed in range(4):
+            r = await http.post(f"{url}/chat/completions", json={
+                "model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "seed": seed,
+                "return_token_ids": True})  # fmt: skip
+            assert r.status_code == 200, r.text
+            body = r.json()
+            masked, plain = _reference_logprobs(tiny, tiny._grammars, tool_call_grammar(TOOLS, "hermes", None),
+                                                body["prompt_token_ids"], body["choices"][0]["token_ids"],
+                                                list(hf_gateway.backend.tokenizer.eos_ids))  # fmt: skip
+            shifts += [abs(m - p) for m, p in zip(masked, plain, strict=True)]
+    trajs = session.trajectories(task={}, env="agent")
+    assert len(trajs) == 4 and all(t.turns[0].info["constrained"] == "tool_choice='required'" for t in trajs)
+    group = Group(task_id="t", id="g0", trajectories=[
+        dataclasses.replace(t, reward=float(k % 2), group_id="g0") for k, t in enumerate(trajs)])  # fmt: skip
+    trainer = TorchTrainer({"dtype": "fp32", "off_policy": {"mode": "tis", "tis_cap": 2.0}}, tiny_llama_path)
+    metrics = trainer.train_step([group]).metrics
+    assert metrics["off_policy/fresh_fraction"] == pytest.approx(1.0)  # the engine served the trainer's version
+    assert metrics["off_policy/fresh_max_abs_dlogp"] == pytest.approx(max(shifts), abs=1e-3) and max(shifts) > 1e-3
+    assert metrics["off_policy/mismatch_kl"] > 0 and 0 < metrics["off_policy/ess"] <= 1
+    assert math.isfinite(metrics["loss"])

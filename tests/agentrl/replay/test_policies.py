@@ -77,10 +77,12 @@ def planner_worker(tok: SimpleChatTokenizer, index: int) -> Trajectory:
         Message("user", "Worker, go."),
         Message("assistant", f"Answer: {index + 1}"),
     ]
+    tokens = _tokens(tok, messages, ["alice", "bob"])
+    # the worker's answer was forced (constrained decoding); the label is model-side text: shown as text
+    tokens["turns"][1].info["constrained"] = "tool_choice='required'" + (HOSTILE if index == 2 else "")
     return Trajectory(
         id=f"pw-{index}", task_id=f"task-{index}", env="calculator", messages=messages,
-        **_tokens(tok, messages, ["alice", "bob"]), reward=1.0, terminated=True, group_id=f"pw-{index}",
-        prompt_messages=1,
+        **tokens, reward=1.0, terminated=True, group_id=f"pw-{index}", prompt_messages=1,
     )  # fmt: skip
 
 
@@ -346,6 +348,11 @@ def test_browser_shows_policies_filters_and_per_policy_charts(policy_server: str
     page.wait_for_selector("#conversation .msg.assistant")
     labels = page.locator("#conversation .msg.assistant .turn-policy").all_text_contents()
     assert labels == ["alice", "bob"]
+    badges = page.locator("#conversation .msg.assistant").nth(1).locator(".constrained-badge")
+    assert badges.all_text_contents() == [f"constrained · tool_choice='required'{HOSTILE}"]
+    assert page.locator("#conversation .msg.assistant").first.locator(".constrained-badge").count() == 0
+    page.wait_for_timeout(150)
+    assert page.evaluate("typeof window.__pwned") == "undefined"
     assert page.locator("#traj-policies .policy-badge").all_text_contents() == ["alice", "bob"]
     assert page.locator("#traj-agent").count() == 0 and page.locator("#traj-outcome").count() == 0
 
