@@ -195,24 +195,29 @@ def padding_metrics(counts: Sequence[float]) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- attention
 RECORD_PREFIX_KV = "agentrl_record_prefix_kv"
-"""Model-forward kwarg read by `packed_sdpa_attention`: a dict it fills with each layer's
-(keys, values) of the prefix being run (`shared_prefix.shared_prefix_hidden`)."""
+"""Model-forward kwarg read by `packed_sdpa_attention`: a `PrefixKV` whose `layers` it fills with
+each layer's (keys, values) of the prefix being run (`shared_prefix.shared_prefix_hidden`)."""
 
 READ_PREFIX_KV = "agentrl_read_prefix_kv"
 """Model-forward kwarg read by `packed_sdpa_attention`: a `PrefixKV` every suffix row attends to."""
 
 
-@dataclass(frozen=True, slots=True)
 class PrefixKV:
     """A shared prefix's (keys, values) per layer index, read by `readers` suffix rows.
 
     Handed to the attention by keyword rather than through an HF cache: nothing is
     appended to it, so a checkpointed layer recomputed in backward reads the same
     tensors (HF's checkpointed layers drop caches), and the suffix pass leaves it as it was.
+    A plain class, neither a dict nor a dataclass, also for recording: wrappers that map
+    over a layer's arguments (FSDP's per-layer pre-forward) rebuild dicts and dataclasses,
+    and the layer would record into a copy.
     """
 
-    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    readers: int
+    __slots__ = ("layers", "readers")
+
+    def __init__(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor]], readers: int) -> None:
+        self.layers = layers
+        self.readers = readers
 
 PACKED_ATTENTION = "agentrl_packed_sdpa"
 """transformers attention-implementation name of `packed_sdpa_attention`."""
@@ -245,9 +250,9 @@ def packed_sdpa_attention(
         key = torch.cat([prefix_k.expand(shared.readers, -1, -1, -1), key], dim=2)
         value = torch.cat([prefix_v.expand(shared.readers, -1, -1, -1), value], dim=2)
         return _prefix_suffix_attention(module, query, key, value, prefix_k.shape[2], dropout, scaling), None
-    record: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = kwargs.get(RECORD_PREFIX_KV)
+    record: PrefixKV | None = kwargs.get(RECORD_PREFIX_KV)
     if record is not None:  # a prefix pass: its keys are what the suffixes will read
-        record[module.layer_idx] = (key, value)  # type: ignore[index]
+        record.layers[module.layer_idx] = (key, value)  # type: ignore[index]
     position_ids = kwargs.get("position_ids")
     t = query.shape[2]
     if query.shape[0] != 1 or position_ids is None or attention_mask is not None or key.shape[2] != t:

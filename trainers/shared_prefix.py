@@ -123,13 +123,14 @@ def shared_prefix_hidden(
     """
     ids = input_ids[0]
     bounds = cu_seqlens.tolist()
+    n_layers = len(list(decoder.get_submodule("layers").children()))
     dest: list[torch.Tensor] = []
     rows: list[torch.Tensor] = []
     for first, count, p in layout:
         starts = bounds[first : first + count]
         ends = bounds[first + 1 : first + count + 1]
         prefix = ids[starts[0] : starts[0] + p]
-        recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        recorded = PrefixKV({}, readers=count)
         pre = decoder(
             input_ids=prefix[None],
             position_ids=torch.arange(p, device=ids.device)[None],
@@ -137,7 +138,10 @@ def shared_prefix_hidden(
             **{RECORD_PREFIX_KV: recorded},
         )
         # a copy: a checkpointed prefix layer recomputed in backward records into `recorded` again
-        shared = PrefixKV(dict(recorded), readers=count)
+        shared = PrefixKV(dict(recorded.layers), readers=count)
+        if len(shared.layers) != n_layers:
+            raise RuntimeError(f"shared prefix: {len(shared.layers)} of {n_layers} layers recorded their keys "
+                               "(the attention must be trainer.attention='packed_sdpa')")  # fmt: skip
         suffix_lens = [e - s - p for s, e in zip(starts, ends, strict=True)]
         width = max(suffix_lens)
         suffix = ids.new_zeros(count, width)  # right-padded; causality keeps real tokens off the padding
