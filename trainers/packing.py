@@ -219,6 +219,7 @@ class PrefixKV:
         self.layers = layers
         self.readers = readers
 
+
 PACKED_ATTENTION = "agentrl_packed_sdpa"
 """transformers attention-implementation name of `packed_sdpa_attention`."""
 
