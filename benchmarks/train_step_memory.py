@@ -45,45 +45,15 @@ DEFAULT_VARIANTS = (
 )
 
 
-def _status_mb(key: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
-def parse_overrides(text: str) -> dict[str, Any]:
-    """`a=1 b=true c.d=x` -> {"a": 1, "b": True, "c": {"d": "x"}} (values are YAML scalars)."""
+def trainer_config(config: Path, variant: str) -> tuple[dict[str, Any], str]:
+    """The config's trainer section with the variant's `a=b c.d=e` overrides set (as `agentrl train`'s
+    `trainer.a=b` would), and its model path."""
     import yaml
 
-    out: dict[str, Any] = {}
-    for item in text.split():
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--variant: {item!r} is not key=value")
-        *parents, leaf = key.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
-    return out
+    from agentrl.config import apply_overrides
 
-
-def trainer_config(config: Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The config's trainer section with `overrides` merged in, and its model path."""
-    import yaml
-
-    raw = yaml.safe_load(config.read_text())
+    raw = apply_overrides(yaml.safe_load(config.read_text()), [f"trainer.{item}" for item in variant.split()])
     trainer = {k: v for k, v in (raw.get("trainer") or {}).items() if k != "name"}
-
-    def merge(into: dict[str, Any], new: dict[str, Any]) -> None:
-        for k, v in new.items():
-            if isinstance(v, dict) and isinstance(into.get(k), dict):
-                merge(into[k], v)
-            else:
-                into[k] = v
-
-    merge(trainer, overrides)
     return trainer, str((raw.get("model") or {}).get("path", "smollm2-135m-instruct"))
 
 
@@ -113,23 +83,23 @@ def groups(args: argparse.Namespace, step: int) -> list[Any]:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     from agentrl.engines.models import resolve_model
-    from agentrl.run.memory import AllocatorTrim, bound_heap_retention
+    from agentrl.run.memory import AllocatorTrim, bound_heap_retention, process_memory_mb
     from agentrl.trainers.torch_trainer import TorchTrainer
 
     bound_heap_retention()  # as `agentrl train` does, and it trims the heap after each step
     trim = AllocatorTrim()
-    trainer_cfg, model = trainer_config(Path(args.config), parse_overrides(args.child))
+    trainer_cfg, model = trainer_config(Path(args.config), args.child)
     trainer = TorchTrainer(trainer_cfg, resolve_model(model))
     steps = []
     for step in range(args.steps):
         batch = groups(args, step)
         trim()
-        before = _status_mb("VmRSS:")
+        before, _ = process_memory_mb()
         Path("/proc/self/clear_refs").write_text("5")
         t0 = time.perf_counter()
         metrics = trainer.train_step(batch).metrics
         seconds = time.perf_counter() - t0
-        hwm = _status_mb("VmHWM:")
+        _, hwm = process_memory_mb()
         steps.append({"step_peak_mb": hwm - before, "hwm_mb": max(hwm, before), "seconds": seconds,
                       "loss": float(metrics["loss"])})  # fmt: skip
     # each step's counter starts at the RSS before it, so the largest is the process's peak since the model loaded

@@ -35,12 +35,13 @@ def test_checkpointed_variants_train_the_same_steps_and_the_summary_names_each(
 
 
 def test_overrides_are_yaml_scalars_merged_into_the_trainer_section(load_benchmark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from agentrl.config import ConfigError
+
     bench = load_benchmark("train_step_memory")
-    assert bench.parse_overrides("micro_batch_tokens=1024 gradient_checkpointing=true lora.r=8") == {
-        "micro_batch_tokens": 1024, "gradient_checkpointing": True, "lora": {"r": 8}}  # fmt: skip
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"model": {"path": "/m"}, "trainer": {"name": "torch", "lora": {"r": 4, "alpha": 8}}}))
-    trainer, model = bench.trainer_config(config, {"lora": {"r": 8}})
-    assert model == "/m" and trainer == {"lora": {"r": 8, "alpha": 8}}
-    with pytest.raises(SystemExit, match="not key=value"):
-        bench.parse_overrides("micro_batch_tokens")
+    trainer, model = bench.trainer_config(config, "micro_batch_tokens=1024 gradient_checkpointing=true lora.r=8")
+    assert model == "/m" and trainer == {
+        "micro_batch_tokens": 1024, "gradient_checkpointing": True, "lora": {"r": 8, "alpha": 8}}  # fmt: skip
+    with pytest.raises(ConfigError, match="not of the form"):
+        bench.trainer_config(config, "micro_batch_tokens")
